@@ -1,0 +1,258 @@
+// HIP backend: the HIP runtime's VMM API (hipMem*) loaded at run time from
+// libamdhip64.so through one symbol table, like the CUDA backend. Entry
+// points are resolved by the exact ABI name the header declares.
+//
+// HIP keeps a current device per thread; each call switches to the backend's
+// device and back, so the runtime state PyTorch-ROCm sees is unchanged.
+#ifndef __HIP_PLATFORM_AMD__
+#define __HIP_PLATFORM_AMD__ 1
+#endif
+#include <dlfcn.h>
+#include <hip/hip_runtime_api.h>
+
+#include "backend.h"
+
+#define KVCACHED_STR2(x) #x
+#define KVCACHED_STR(x) KVCACHED_STR2(x)
+
+#define KVCACHED_HIP_SYMBOLS(X)        \
+  X(hipInit)                           \
+  X(hipGetErrorName)                   \
+  X(hipGetErrorString)                 \
+  X(hipGetDeviceCount)                 \
+  X(hipGetDevice)                      \
+  X(hipSetDevice)                      \
+  X(hipDeviceSynchronize)              \
+  X(hipMemGetInfo)                     \
+  X(hipMemGetAllocationGranularity)    \
+  X(hipMemAddressReserve)              \
+  X(hipMemAddressFree)                 \
+  X(hipMemCreate)                      \
+  X(hipMemRelease)                     \
+  X(hipMemMap)                         \
+  X(hipMemUnmap)                       \
+  X(hipMemSetAccess)
+
+namespace kvcached {
+namespace {
+
+// Tried in order; the unversioned name comes from a -dev package or ROCm.
+constexpr const char* kLibraries[] = {"libamdhip64.so", "libamdhip64.so.6",
+                                      "libamdhip64.so.5"};
+
+struct HipApi {
+#define KVCACHED_FIELD(fn) decltype(&::fn) fn = nullptr;
+  KVCACHED_HIP_SYMBOLS(KVCACHED_FIELD)
+#undef KVCACHED_FIELD
+  void* lib = nullptr;
+  SymbolReport report;
+  bool complete = false;
+};
+
+HipApi load_api() {
+  HipApi api;
+  std::string errors;
+  for (const char* name : kLibraries) {
+    api.lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (api.lib != nullptr) {
+      api.report.library = name;
+      break;
+    }
+    const char* err = dlerror();
+    errors += (errors.empty() ? "" : "; ") + std::string(err ? err : name);
+  }
+  if (api.lib == nullptr) {
+    api.report.library = kLibraries[0];
+    api.report.load_error = errors;
+  }
+  bool all = api.lib != nullptr;
+#define KVCACHED_RESOLVE(fn)                                                  \
+  {                                                                           \
+    void* sym = api.lib ? dlsym(api.lib, KVCACHED_STR(fn)) : nullptr;         \
+    api.fn = reinterpret_cast<decltype(&::fn)>(sym);                          \
+    api.report.symbols.emplace_back(KVCACHED_STR(fn), sym != nullptr);        \
+    all = all && sym != nullptr;                                              \
+  }
+  KVCACHED_HIP_SYMBOLS(KVCACHED_RESOLVE)
+#undef KVCACHED_RESOLVE
+  api.complete = all;
+  return api;
+}
+
+const HipApi& api() {
+  static const HipApi instance = load_api();
+  return instance;
+}
+
+std::string describe(hipError_t rc) {
+  const char* name = api().hipGetErrorName ? api().hipGetErrorName(rc) : nullptr;
+  const char* text = api().hipGetErrorString ? api().hipGetErrorString(rc) : nullptr;
+  std::string out = name ? name : ("hipError_t " + std::to_string(static_cast<int>(rc)));
+  if (text) out += std::string(" (") + text + ")";
+  return out;
+}
+
+void check(hipError_t rc, const char* call, const std::string& what) {
+  if (rc == hipSuccess) return;
+  ErrorKind kind = rc == hipErrorOutOfMemory ? ErrorKind::kOutOfMemory
+                   : rc == hipErrorInvalidValue ? ErrorKind::kInvalidArgument
+                                                : ErrorKind::kDriver;
+  throw Error(kind, std::string("hip backend: ") + call + " " + what +
+                        " failed: " + describe(rc));
+}
+
+void* as_ptr(std::uintptr_t addr) { return reinterpret_cast<void*>(addr); }
+
+class HipBackend final : public Backend {
+ public:
+  explicit HipBackend(int device) : device_(device) {
+    const HipApi& a = api();
+    if (!a.report.load_error.empty()) {
+      throw Error(ErrorKind::kUnavailable,
+                  "hip backend: cannot load libamdhip64.so (" +
+                      a.report.load_error + "); is ROCm installed on this machine?");
+    }
+    if (!a.complete) {
+      std::string missing;
+      for (auto& s : a.report.symbols)
+        if (!s.second) missing += (missing.empty() ? "" : ", ") + s.first;
+      throw Error(ErrorKind::kUnavailable, "hip backend: " + a.report.library +
+                                               " lacks entry points: " + missing);
+    }
+    hipError_t rc = a.hipInit(0);
+    int count = 0;
+    if (rc == hipSuccess) rc = a.hipGetDeviceCount(&count);
+    if (rc != hipSuccess || count == 0) {
+      throw Error(ErrorKind::kUnavailable,
+                  "hip backend: no AMD GPU found (" +
+                      (rc != hipSuccess ? describe(rc) : std::string("0 devices")) +
+                      "); the HIP runtime loaded from " + a.report.library +
+                      " but has no device to use");
+    }
+    if (device < 0 || device >= count) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "hip backend: device index " + std::to_string(device) +
+                      " out of range; this machine has " + std::to_string(count) +
+                      " HIP device(s)");
+    }
+    prop_ = hipMemAllocationProp{};
+    prop_.type = hipMemAllocationTypePinned;
+    prop_.requestedHandleType = hipMemHandleTypeNone;
+    prop_.location.type = hipMemLocationTypeDevice;
+    prop_.location.id = device_;
+    access_ = hipMemAccessDesc{};
+    access_.location = prop_.location;
+    access_.flags = hipMemAccessFlagsProtReadWrite;
+    DeviceGuard guard(device_);
+    check(a.hipMemGetAllocationGranularity(&granularity_, &prop_,
+                                           hipMemAllocationGranularityMinimum),
+          "hipMemGetAllocationGranularity",
+          "(device " + std::to_string(device_) + " may not support VMM)");
+  }
+
+  const char* name() const noexcept override { return "hip"; }
+  int device() const noexcept override { return device_; }
+  int dlpack_device_type() const noexcept override { return kDLROCM; }
+  std::size_t granularity() const noexcept override { return granularity_; }
+
+  std::uintptr_t reserve(std::size_t size, std::size_t alignment) override {
+    DeviceGuard guard(device_);
+    void* ptr = nullptr;
+    check(api().hipMemAddressReserve(&ptr, size, alignment, nullptr, 0),
+          "hipMemAddressReserve", std::to_string(size) + " bytes");
+    return reinterpret_cast<std::uintptr_t>(ptr);
+  }
+
+  void free_range(std::uintptr_t addr, std::size_t size) noexcept override {
+    try {
+      DeviceGuard guard(device_);
+      hipError_t rc = api().hipMemAddressFree(as_ptr(addr), size);
+      if (rc != hipSuccess)
+        report_error("hip backend: hipMemAddressFree(" + hex(addr) +
+                     ") failed: " + describe(rc));
+    } catch (const std::exception& e) {
+      report_error(e.what());
+    }
+  }
+
+  Handle create(std::size_t size) override {
+    DeviceGuard guard(device_);
+    hipMemGenericAllocationHandle_t h = nullptr;
+    check(api().hipMemCreate(&h, size, &prop_, 0), "hipMemCreate",
+          std::to_string(size) + " bytes on device " + std::to_string(device_));
+    return static_cast<Handle>(reinterpret_cast<std::uintptr_t>(h));
+  }
+
+  void release(Handle handle, std::size_t) override {
+    DeviceGuard guard(device_);
+    check(api().hipMemRelease(to_handle(handle)), "hipMemRelease", "");
+  }
+
+  void map(std::uintptr_t addr, std::size_t size, Handle handle) override {
+    DeviceGuard guard(device_);
+    check(api().hipMemMap(as_ptr(addr), size, 0, to_handle(handle), 0), "hipMemMap",
+          "at " + hex(addr));
+  }
+
+  void set_access(std::uintptr_t addr, std::size_t size) override {
+    DeviceGuard guard(device_);
+    check(api().hipMemSetAccess(as_ptr(addr), size, &access_, 1), "hipMemSetAccess",
+          "at " + hex(addr));
+  }
+
+  void unmap(std::uintptr_t addr, std::size_t size) override {
+    DeviceGuard guard(device_);
+    check(api().hipMemUnmap(as_ptr(addr), size), "hipMemUnmap", "at " + hex(addr));
+  }
+
+  MemInfo mem_info() override {
+    DeviceGuard guard(device_);
+    size_t free_b = 0, total_b = 0;
+    check(api().hipMemGetInfo(&free_b, &total_b), "hipMemGetInfo", "");
+    return MemInfo{free_b, total_b};
+  }
+
+  void synchronize() override {
+    DeviceGuard guard(device_);
+    check(api().hipDeviceSynchronize(), "hipDeviceSynchronize", "");
+  }
+
+ private:
+  static hipMemGenericAllocationHandle_t to_handle(Handle h) {
+    return reinterpret_cast<hipMemGenericAllocationHandle_t>(
+        static_cast<std::uintptr_t>(h));
+  }
+
+  class DeviceGuard {
+   public:
+    explicit DeviceGuard(int device) {
+      check(api().hipGetDevice(&previous_), "hipGetDevice", "");
+      if (previous_ != device) check(api().hipSetDevice(device), "hipSetDevice", "");
+    }
+    ~DeviceGuard() {
+      int now = -1;
+      api().hipGetDevice(&now);
+      if (now != previous_) api().hipSetDevice(previous_);
+    }
+    DeviceGuard(const DeviceGuard&) = delete;
+    DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+   private:
+    int previous_ = 0;
+  };
+
+  int device_;
+  hipMemAllocationProp prop_{};
+  hipMemAccessDesc access_{};
+  std::size_t granularity_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_hip_backend(int device) {
+  return std::make_unique<HipBackend>(device);
+}
+
+SymbolReport probe_hip() { return api().report; }
+
+}  // namespace kvcached

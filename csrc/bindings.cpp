@@ -1,0 +1,150 @@
+// Python bindings: module kvcached_core._native.
+//
+// Memory reaches Python as DLPack capsules, so this extension never links
+// against torch. Every call that can block on the driver releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "backend.h"
+#include "page_mapper.h"
+#include "raw_timing.h"
+
+namespace py = pybind11;
+using namespace kvcached;
+
+namespace {
+
+PyObject* python_error_for(ErrorKind kind) {
+  static const char* names[] = {"DeviceError", "DeviceOutOfMemoryError",
+                                "BackendUnavailableError", "MappingError"};
+  py::module_ errors = py::module_::import("kvcached_core.errors");
+  return errors.attr(names[static_cast<int>(kind)]).ptr();
+}
+
+void delete_unconsumed_capsule(PyObject* capsule) {
+  // A consumer renames the capsule to "used_dltensor" and owns the tensor;
+  // only an unconsumed capsule still holds it here.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* managed =
+        static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    if (managed && managed->deleter) managed->deleter(managed);
+  }
+}
+
+py::object to_capsule(const std::shared_ptr<VirtualTensor>& self) {
+  DLManagedTensor* managed = VirtualTensor::to_dlpack(self);
+  PyObject* cap = PyCapsule_New(managed, "dltensor", delete_unconsumed_capsule);
+  if (cap == nullptr) {
+    managed->deleter(managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(cap);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kvcached native page mapper (CUDA, HIP and host VMM backends)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(python_error_for(e.kind()), e.what());
+    }
+  });
+
+  m.def("compiled_backends", &compiled_backends,
+        "Backends compiled into this build, in preference order.");
+
+  m.def(
+      "probe_backend",
+      [](const std::string& backend) {
+        SymbolReport r = probe_backend(backend);
+        py::dict out;
+        out["library"] = r.library;
+        out["load_error"] = r.load_error;
+        out["symbols"] = r.symbols;
+        return out;
+      },
+      py::arg("backend"),
+      "Loads a GPU backend's driver library (no device needed) and reports, for "
+      "each entry point of its symbol table, whether it resolved.");
+
+  py::class_<VirtualTensor, std::shared_ptr<VirtualTensor>>(m, "VirtualTensor")
+      .def_property_readonly("address", &VirtualTensor::address)
+      .def_property_readonly("size", &VirtualTensor::size)
+      .def_property_readonly("num_pages", &VirtualTensor::num_pages)
+      .def_property_readonly("mapped_pages", &VirtualTensor::mapped_pages)
+      .def("is_mapped", &VirtualTensor::is_mapped, py::arg("page"))
+      .def("dlpack", &to_capsule,
+           "A DLPack capsule of `size` uint8 bytes over the reservation.")
+      .def("__repr__", [](const VirtualTensor& t) {
+        return "<VirtualTensor " + hex(t.address()) + " size=" +
+               std::to_string(t.size()) + " mapped=" +
+               std::to_string(t.mapped_pages()) + "/" +
+               std::to_string(t.num_pages()) + ">";
+      });
+
+  py::class_<MapperStats>(m, "MapperStats")
+      .def_readonly("mapped_pages", &MapperStats::mapped_pages)
+      .def_readonly("pooled_handles", &MapperStats::pooled_handles)
+      .def_readonly("handles_created", &MapperStats::handles_created)
+      .def_readonly("handles_released", &MapperStats::handles_released)
+      .def_readonly("pool_limit", &MapperStats::pool_limit);
+
+  py::class_<PageMapper>(m, "PageMapper")
+      .def(py::init<const std::string&, int, std::size_t>(), py::arg("backend"),
+           py::arg("device"), py::arg("page_size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("backend", &PageMapper::backend_name)
+      .def_property_readonly("device", &PageMapper::device)
+      .def_property_readonly("dlpack_device_type", &PageMapper::dlpack_device_type)
+      .def_property_readonly("page_size", &PageMapper::page_size)
+      .def_property_readonly("granularity", &PageMapper::granularity)
+      .def("reserve", &PageMapper::reserve, py::arg("size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("map", &PageMapper::map, py::arg("tensors"), py::arg("pages"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("unmap", &PageMapper::unmap, py::arg("tensors"), py::arg("pages"),
+           py::arg("synchronize") = true, py::call_guard<py::gil_scoped_release>())
+      .def("trim_pool", &PageMapper::trim_pool, py::arg("keep") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_pool_limit", &PageMapper::set_pool_limit, py::arg("limit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("stats", &PageMapper::stats)
+      .def(
+          "mem_info",
+          [](const PageMapper& self) {
+            MemInfo mi;
+            {
+              py::gil_scoped_release release;
+              mi = self.mem_info();
+            }
+            return py::make_tuple(mi.free_bytes, mi.total_bytes);
+          },
+          "(free, total) bytes of the device.")
+      .def("synchronize", &PageMapper::synchronize,
+           py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "time_raw_driver_calls",
+      [](const std::string& backend, int device, std::size_t page_size,
+         std::size_t pages) {
+        RawTimings t;
+        {
+          py::gil_scoped_release release;
+          t = time_raw_driver_calls(backend, device, page_size, pages);
+        }
+        py::dict out;
+        out["reserve_us"] = t.reserve_us;
+        out["create_us"] = t.create_us;
+        out["map_us"] = t.map_us;
+        out["set_access_us"] = t.set_access_us;
+        out["unmap_us"] = t.unmap_us;
+        out["release_us"] = t.release_us;
+        return out;
+      },
+      py::arg("backend"), py::arg("device"), py::arg("page_size"), py::arg("pages"),
+      "Per-call microseconds of the backend's raw VMM calls (benchmark baseline).");
+}

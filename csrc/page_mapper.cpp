@@ -1,0 +1,321 @@
+#include "page_mapper.h"
+
+#include <limits>
+#include <unordered_set>
+
+namespace kvcached {
+
+struct MapperCore {
+  std::unique_ptr<Backend> backend;
+  std::size_t page_size = 0;
+  mutable std::mutex mu;
+  std::vector<Handle> pool;
+  std::size_t pool_limit = std::numeric_limits<std::size_t>::max();
+  std::size_t mapped_pages = 0;
+  std::size_t handles_created = 0;
+  std::size_t handles_released = 0;
+
+  ~MapperCore() {
+    for (Handle h : pool) {
+      try {
+        backend->release(h, page_size);
+      } catch (const std::exception& e) {
+        report_error(e.what());
+      }
+    }
+  }
+
+  // Caller holds mu.
+  Handle take_handle() {
+    if (!pool.empty()) {
+      Handle h = pool.back();
+      pool.pop_back();
+      return h;
+    }
+    Handle h = backend->create(page_size);
+    ++handles_created;
+    return h;
+  }
+
+  // Caller holds mu. Keeps the handle unless the pool is full.
+  void give_back(Handle h) {
+    if (pool.size() < pool_limit) {
+      pool.push_back(h);
+      return;
+    }
+    backend->release(h, page_size);
+    ++handles_released;
+  }
+
+  std::size_t trim_to(std::size_t keep) {
+    std::size_t released = 0;
+    while (pool.size() > keep) {
+      backend->release(pool.back(), page_size);
+      pool.pop_back();
+      ++handles_released;
+      ++released;
+    }
+    return released;
+  }
+};
+
+// ---------------------------------------------------------------- VirtualTensor
+
+VirtualTensor::VirtualTensor(std::shared_ptr<MapperCore> core,
+                             std::uintptr_t address, std::size_t size)
+    : core_(std::move(core)),
+      address_(address),
+      size_(size),
+      handles_(size / core_->page_size, 0),
+      mapped_(size / core_->page_size, 0) {}
+
+VirtualTensor::~VirtualTensor() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  const std::size_t ps = core_->page_size;
+  if (num_mapped_ > 0) {
+    try {
+      core_->backend->synchronize();
+    } catch (const std::exception& e) {
+      report_error(e.what());
+    }
+  }
+  for (std::size_t p = 0; p < mapped_.size() && num_mapped_ > 0; ++p) {
+    if (!mapped_[p]) continue;
+    try {
+      core_->backend->unmap(address_ + p * ps, ps);
+      core_->give_back(handles_[p]);
+    } catch (const std::exception& e) {
+      report_error(e.what());
+    }
+    mapped_[p] = 0;
+    --num_mapped_;
+    --core_->mapped_pages;
+  }
+  core_->backend->free_range(address_, size_);
+}
+
+std::size_t VirtualTensor::mapped_pages() const {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return num_mapped_;
+}
+
+bool VirtualTensor::is_mapped(std::size_t page) const {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  if (page >= mapped_.size()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "page " + std::to_string(page) + " outside virtual tensor at " +
+                    hex(address_) + " of " + std::to_string(mapped_.size()) + " pages");
+  }
+  return mapped_[page] != 0;
+}
+
+namespace {
+struct DLPackContext {
+  std::shared_ptr<VirtualTensor> owner;
+  int64_t shape[1];
+  DLManagedTensor managed;
+};
+
+void delete_dlpack(DLManagedTensor* self) {
+  delete static_cast<DLPackContext*>(self->manager_ctx);
+}
+}  // namespace
+
+DLManagedTensor* VirtualTensor::to_dlpack(const std::shared_ptr<VirtualTensor>& self) {
+  auto* ctx = new DLPackContext{};
+  ctx->owner = self;
+  ctx->shape[0] = static_cast<int64_t>(self->size_);
+  DLTensor& t = ctx->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(self->address_);
+  t.device = DLDevice{self->core_->backend->dlpack_device_type(),
+                      self->core_->backend->device()};
+  t.ndim = 1;
+  t.dtype = DLDataType{kDLUInt, 8, 1};
+  t.shape = ctx->shape;
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  ctx->managed.manager_ctx = ctx;
+  ctx->managed.deleter = delete_dlpack;
+  return &ctx->managed;
+}
+
+// ------------------------------------------------------------------ PageMapper
+
+PageMapper::PageMapper(const std::string& backend, int device, std::size_t page_size)
+    : core_(std::make_shared<MapperCore>()) {
+  core_->backend = make_backend(backend, device);
+  const std::size_t g = core_->backend->granularity();
+  if (page_size == 0 || page_size % g != 0) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "page size " + std::to_string(page_size) +
+                    " bytes is not a positive multiple of the " + backend +
+                    " device " + std::to_string(device) + " granularity of " +
+                    std::to_string(g) + " bytes");
+  }
+  core_->page_size = page_size;
+}
+
+const char* PageMapper::backend_name() const { return core_->backend->name(); }
+int PageMapper::device() const { return core_->backend->device(); }
+int PageMapper::dlpack_device_type() const {
+  return core_->backend->dlpack_device_type();
+}
+std::size_t PageMapper::page_size() const { return core_->page_size; }
+std::size_t PageMapper::granularity() const { return core_->backend->granularity(); }
+
+std::shared_ptr<VirtualTensor> PageMapper::reserve(std::size_t size) {
+  const std::size_t ps = core_->page_size;
+  if (size == 0 || size % ps != 0) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "virtual tensor size " + std::to_string(size) +
+                    " bytes is not a positive multiple of the page size " +
+                    std::to_string(ps));
+  }
+  std::uintptr_t addr = core_->backend->reserve(size, ps);
+  try {
+    return std::make_shared<VirtualTensor>(core_, addr, size);
+  } catch (...) {
+    core_->backend->free_range(addr, size);
+    throw;
+  }
+}
+
+namespace {
+// Validates a batch before any driver call, so a bad request changes nothing.
+void check_batch(const MapperCore* core,
+                 const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                 const std::vector<std::int64_t>& pages, bool want_mapped) {
+  const char* verb = want_mapped ? "unmap" : "map";
+  std::unordered_set<std::int64_t> seen;
+  for (std::int64_t p : pages) {
+    if (!seen.insert(p).second) {
+      throw Error(ErrorKind::kInvalidArgument, "page " + std::to_string(p) +
+                                                   " appears twice in one " + verb +
+                                                   " batch");
+    }
+  }
+  std::unordered_set<const VirtualTensor*> seen_tensors;
+  for (const auto& t : tensors) {
+    if (!t) throw Error(ErrorKind::kInvalidArgument, "virtual tensor is None");
+    if (!seen_tensors.insert(t.get()).second) {
+      throw Error(ErrorKind::kInvalidArgument, "virtual tensor at " +
+                                                   hex(t->address()) +
+                                                   " appears twice in one " + verb +
+                                                   " batch");
+    }
+    if (&t->core() != core) {
+      throw Error(ErrorKind::kInvalidArgument, "virtual tensor at " +
+                                                   hex(t->address()) +
+                                                   " belongs to another page mapper");
+    }
+    for (std::int64_t p : pages) {
+      if (p < 0 || static_cast<std::size_t>(p) >= t->num_pages()) {
+        throw Error(ErrorKind::kInvalidArgument,
+                    std::string("cannot ") + verb + " page " + std::to_string(p) +
+                        " (offset " +
+                        std::to_string(p * static_cast<std::int64_t>(core->page_size)) +
+                        "): outside the virtual tensor at " + hex(t->address()) +
+                        " of " + std::to_string(t->num_pages()) + " pages");
+      }
+      if (t->is_mapped_locked(static_cast<std::size_t>(p)) != want_mapped) {
+        throw Error(ErrorKind::kInvalidArgument,
+                    "page " + std::to_string(p) + " of the virtual tensor at " +
+                        hex(t->address()) +
+                        (want_mapped ? " is not mapped" : " is already mapped"));
+      }
+    }
+  }
+}
+}  // namespace
+
+void PageMapper::map(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                     const std::vector<std::int64_t>& pages) {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  check_batch(core_.get(), tensors, pages, false);
+  const std::size_t ps = core_->page_size;
+  Backend& b = *core_->backend;
+  // Done so far, for rollback.
+  std::vector<std::pair<VirtualTensor*, std::size_t>> done;
+  done.reserve(tensors.size() * pages.size());
+  try {
+    for (std::int64_t p : pages) {
+      for (const auto& t : tensors) {
+        const std::uintptr_t addr = t->address_ + static_cast<std::size_t>(p) * ps;
+        Handle h = core_->take_handle();
+        try {
+          b.map(addr, ps, h);
+        } catch (...) {
+          core_->give_back(h);
+          throw;
+        }
+        try {
+          b.set_access(addr, ps);
+        } catch (...) {
+          b.unmap(addr, ps);
+          core_->give_back(h);
+          throw;
+        }
+        t->handles_[p] = h;
+        t->mapped_[p] = 1;
+        ++t->num_mapped_;
+        ++core_->mapped_pages;
+        done.emplace_back(t.get(), static_cast<std::size_t>(p));
+      }
+    }
+  } catch (...) {
+    for (auto it = done.rbegin(); it != done.rend(); ++it) {
+      VirtualTensor* t = it->first;
+      const std::size_t p = it->second;
+      try {
+        b.unmap(t->address_ + p * ps, ps);
+        core_->give_back(t->handles_[p]);
+      } catch (const std::exception& e) {
+        report_error(std::string("rollback: ") + e.what());
+      }
+      t->mapped_[p] = 0;
+      --t->num_mapped_;
+      --core_->mapped_pages;
+    }
+    throw;
+  }
+}
+
+void PageMapper::unmap(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                       const std::vector<std::int64_t>& pages, bool synchronize) {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  check_batch(core_.get(), tensors, pages, true);
+  if (synchronize && !pages.empty()) core_->backend->synchronize();
+  const std::size_t ps = core_->page_size;
+  for (std::int64_t p : pages) {
+    for (const auto& t : tensors) {
+      core_->backend->unmap(t->address_ + static_cast<std::size_t>(p) * ps, ps);
+      t->mapped_[p] = 0;
+      --t->num_mapped_;
+      --core_->mapped_pages;
+      core_->give_back(t->handles_[p]);
+    }
+  }
+}
+
+std::size_t PageMapper::trim_pool(std::size_t keep) {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return core_->trim_to(keep);
+}
+
+void PageMapper::set_pool_limit(std::size_t limit) {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  core_->pool_limit = limit;
+  core_->trim_to(limit);
+}
+
+MapperStats PageMapper::stats() const {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return MapperStats{core_->mapped_pages, core_->pool.size(), core_->handles_created,
+                     core_->handles_released, core_->pool_limit};
+}
+
+MemInfo PageMapper::mem_info() const { return core_->backend->mem_info(); }
+
+void PageMapper::synchronize() { core_->backend->synchronize(); }
+
+}  // namespace kvcached
