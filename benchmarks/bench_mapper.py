@@ -1,0 +1,197 @@
+"""Page-mapper latency and bandwidth: kvcached against raw driver calls, same run.
+
+    python benchmarks/bench_mapper.py --device cpu
+    python benchmarks/bench_mapper.py --device cuda:0
+
+Per 2 MiB page (median microseconds):
+  cold grow      kvcached map of a page with no pooled handle  vs raw create+map+set-access
+  recycled grow  kvcached map with a pooled handle              vs raw map+set-access
+  shrink         kvcached unmap (handle kept in the pool)       vs raw unmap
+  shrink+release kvcached unmap with a pool limit of 0           vs raw unmap+release
+Also: reservation time of the virtual KV tensors of a 32-layer model
+(per-layer K and V buffers), and on GPUs the read bandwidth of a kernel over
+elastic memory against plain cudaMalloc memory.
+
+Results go to benchmarks/results/mapper-<backend>.json with the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from kvcached_core import _native
+from kvcached_core.vmm import as_tensor, open_mapper
+
+PAGE = 2 << 20
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def per_page_sum(*series):
+    return [sum(vals) for vals in zip(*series)]
+
+
+def timed_calls(fn, items):
+    out = []
+    for item in items:
+        t0 = time.perf_counter_ns()
+        fn(item)
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    return out
+
+
+def bench_latency(device: str, backend: str, index: int, pages: int, rounds: int) -> dict:
+    raw_cold, raw_recycled, raw_unmap, raw_unmap_release = [], [], [], []
+    kv_cold, kv_recycled, kv_shrink, kv_shrink_release = [], [], [], []
+    for _ in range(rounds):
+        raw = _native.time_raw_driver_calls(backend, index, PAGE, pages)
+        raw_cold += per_page_sum(raw["create_us"], raw["map_us"], raw["set_access_us"])
+        raw_recycled += per_page_sum(raw["map_us"], raw["set_access_us"])
+        raw_unmap += raw["unmap_us"]
+        raw_unmap_release += per_page_sum(raw["unmap_us"], raw["release_us"])
+
+        mapper = open_mapper(device, PAGE)
+        vt = mapper.reserve(pages * PAGE)
+        mapper.synchronize()
+        kv_cold += timed_calls(lambda p: mapper.map([vt], [p]), range(pages))
+        kv_shrink += timed_calls(lambda p: mapper.unmap([vt], [p], synchronize=False), range(pages))
+        kv_recycled += timed_calls(lambda p: mapper.map([vt], [p]), range(pages))
+        mapper.set_pool_limit(0)
+        kv_shrink_release += timed_calls(
+            lambda p: mapper.unmap([vt], [p], synchronize=False), range(pages))
+        del vt, mapper
+
+    def pair(kv, raw):
+        return {"kvcached_us": round(median(kv), 3), "raw_us": round(median(raw), 3),
+                "ratio": round(median(kv) / median(raw), 4)}
+
+    return {
+        "pages_per_round": pages,
+        "rounds": rounds,
+        "cold_grow": pair(kv_cold, raw_cold),
+        "recycled_grow": pair(kv_recycled, raw_recycled),
+        "shrink": pair(kv_shrink, raw_unmap),
+        "shrink_release": pair(kv_shrink_release, raw_unmap_release),
+    }
+
+
+def bench_unmap_sync(device: str, pages: int) -> dict:
+    """Cost of the device synchronisation an unmap does before touching a page."""
+    mapper = open_mapper(device, PAGE)
+    vt = mapper.reserve(pages * PAGE)
+    mapper.map([vt], list(range(pages)))
+    synced = timed_calls(lambda p: mapper.unmap([vt], [p], synchronize=True), range(pages))
+    return {"unmap_with_sync_us": round(median(synced), 3)}
+
+
+def bench_reservation(device: str, layers: int, per_buffer: int, repeats: int) -> dict:
+    mapper = open_mapper(device, PAGE)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tensors = [mapper.reserve(per_buffer) for _ in range(2 * layers)]
+        times.append((time.perf_counter() - t0) * 1e3)
+        del tensors
+    return {"layers": layers, "buffers": 2 * layers, "bytes_per_buffer": per_buffer,
+            "virtual_bytes": 2 * layers * per_buffer, "median_ms": round(median(times), 3),
+            "max_ms": round(max(times), 3)}
+
+
+def bench_bandwidth(device: str, nbytes: int, iters: int) -> dict:
+    import torch
+
+    mapper = open_mapper(device, PAGE)
+    vt = mapper.reserve(nbytes)
+    mapper.map([vt], list(range(nbytes // PAGE)))
+    elastic = as_tensor(vt, torch.float32)
+    plain = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    elastic.uniform_()
+    plain.copy_(elastic)
+
+    def read_gbps(t):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            t.sum()
+        samples = []
+        for _ in range(iters):
+            start.record()
+            t.sum()
+            end.record()
+            end.synchronize()
+            samples.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+        return samples
+
+    # interleave so clocks and neighbours affect both alike
+    el, pl = [], []
+    for _ in range(5):
+        el += read_gbps(elastic)
+        pl += read_gbps(plain)
+    assert torch.equal(elastic.sum(), plain.sum())
+    result = {"bytes": nbytes, "elastic_GBps": round(median(el), 1),
+              "plain_GBps": round(median(pl), 1), "ratio": round(median(el) / median(pl), 4)}
+    del elastic, plain
+    mapper.unmap([vt], list(range(nbytes // PAGE)))
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--pages", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bandwidth-gib", type=int, default=8)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mapper-<backend>.json)")
+    args = ap.parse_args(argv)
+
+    from kvcached_core.device import parse_device
+
+    dev = parse_device(args.device)
+    result = {
+        "benchmark": "mapper",
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "device": args.device,
+        "backend": dev.backend,
+        "page_bytes": PAGE,
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if dev.is_gpu:
+        import torch
+
+        result["gpu"] = torch.cuda.get_device_name(dev.index)
+        result["torch"] = torch.__version__
+    result["latency"] = bench_latency(args.device, dev.backend, dev.index, args.pages, args.rounds)
+    result["latency"].update(bench_unmap_sync(args.device, args.pages))
+    # a 32-layer model's K and V buffers, 2 GiB of virtual space each
+    result["reserve_32_layers"] = bench_reservation(args.device, 32, 2 << 30, 10)
+    if dev.is_gpu:
+        result["read_bandwidth"] = bench_bandwidth(dev.torch_device, args.bandwidth_gib << 30, 20)
+
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"mapper-{dev.backend}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    lat = result["latency"]
+    print(f"{'per 2 MiB page':<16}{'kvcached us':>12}{'raw us':>10}{'ratio':>8}")
+    for key in ("cold_grow", "recycled_grow", "shrink", "shrink_release"):
+        r = lat[key]
+        print(f"{key:<16}{r['kvcached_us']:>12}{r['raw_us']:>10}{r['ratio']:>8}")
+    print(f"unmap with device sync: {lat['unmap_with_sync_us']} us")
+    print(f"reserve 32-layer KV tensors: {result['reserve_32_layers']['median_ms']} ms")
+    if "read_bandwidth" in result:
+        bw = result["read_bandwidth"]
+        print(f"read bandwidth elastic {bw['elastic_GBps']} GB/s, plain {bw['plain_GBps']} GB/s, ratio {bw['ratio']}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

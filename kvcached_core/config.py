@@ -1,0 +1,82 @@
+"""kvcached's settings, read from ``KVCACHED_*`` environment variables.
+
+============================  =======  =========================================
+variable                      default  meaning
+============================  =======  =========================================
+KVCACHED_PAGE_SIZE_MB         2        physical page size per layer buffer (MiB)
+KVCACHED_CONTIGUOUS_LAYOUT    off      one tensor for all layers (compound pages)
+KVCACHED_PREALLOC             on       keep a reserve of mapped pages (background)
+KVCACHED_MIN_RESERVED_PAGES   2        refill the reserve below this many pages
+KVCACHED_MAX_RESERVED_PAGES   8        never keep more mapped-but-unused pages
+KVCACHED_IDLE_TRIM_S          5        trim the reserve after this long idle (0: never)
+KVCACHED_MEMORY_LIMIT         none     cap on mapped KV bytes per pool (e.g. 2G, 512M)
+KVCACHED_GPU_UTILIZATION      0.95     leave (1-x) of device memory free when mapping
+============================  =======  =========================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from kvcached_core.env import env_bool, env_float, env_int
+from kvcached_core.errors import KVCachedConfigError
+
+MiB = 1 << 20
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, name: str = "size") -> int:
+    """Parse a byte count such as ``512M``, ``2G``, ``1.5GiB`` or ``1048576``."""
+    match = _SIZE_RE.match(str(text))
+    if match is None:
+        raise KVCachedConfigError(f"{name}={text!r} is not a size (use e.g. 512M, 2G, 1048576)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Settings:
+    page_size: int
+    contiguous_layout: bool | None  # None: the device's default
+    prealloc: bool
+    min_reserved_pages: int
+    max_reserved_pages: int
+    idle_trim_s: float
+    memory_limit: int | None
+    gpu_utilization: float
+
+
+def load_settings() -> Settings:
+    """Read every setting now; a bad value raises naming the variable."""
+    page_mb = env_int("KVCACHED_PAGE_SIZE_MB", 2, minimum=1)
+    layout = os.environ.get("KVCACHED_CONTIGUOUS_LAYOUT", "").strip()
+    min_res = env_int("KVCACHED_MIN_RESERVED_PAGES", 2, minimum=0)
+    max_res = env_int("KVCACHED_MAX_RESERVED_PAGES", 8, minimum=0)
+    if max_res < min_res:
+        raise KVCachedConfigError(
+            f"KVCACHED_MAX_RESERVED_PAGES={max_res} is below KVCACHED_MIN_RESERVED_PAGES={min_res}"
+        )
+    limit_text = os.environ.get("KVCACHED_MEMORY_LIMIT", "").strip()
+    return Settings(
+        page_size=page_mb * MiB,
+        contiguous_layout=env_bool("KVCACHED_CONTIGUOUS_LAYOUT", False) if layout else None,
+        prealloc=env_bool("KVCACHED_PREALLOC", True),
+        min_reserved_pages=min_res,
+        max_reserved_pages=max_res,
+        idle_trim_s=env_float("KVCACHED_IDLE_TRIM_S", 5.0, minimum=0.0),
+        memory_limit=parse_size(limit_text, "KVCACHED_MEMORY_LIMIT") if limit_text else None,
+        gpu_utilization=env_float("KVCACHED_GPU_UTILIZATION", 0.95, minimum=0.05, maximum=1.0),
+    )
+
+
+def contiguous_layout(settings: Settings, backend: str) -> bool:
+    """Per-layer buffers by default; ``KVCACHED_CONTIGUOUS_LAYOUT`` wins when set.
+
+    Per-layer is the default everywhere (and must be on ROCm, whose attention
+    kernels misread the strided views of the contiguous layout).
+    """
+    if settings.contiguous_layout is not None:
+        return settings.contiguous_layout
+    return False

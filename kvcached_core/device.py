@@ -1,0 +1,92 @@
+"""Device strings and the backend that serves each device.
+
+=============  ==========  ===================================================
+device string  backend     torch device
+=============  ==========  ===================================================
+``cpu``        ``host``    ``cpu``
+``cuda:N``     ``cuda``    ``cuda:N`` (``hip`` on a ROCm build of torch)
+``hip:N``      ``hip``     ``cuda:N`` (PyTorch-ROCm's alias for AMD GPUs)
+=============  ==========  ===================================================
+
+A plugin may pick another backend for a device through the
+``kvcached_select_backend`` hook.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from kvcached_core.errors import BackendUnavailableError, KVCachedConfigError
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda|hip)(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Device:
+    """A resolved device: which backend serves it and how torch names it."""
+
+    backend: str
+    index: int
+    torch_device: str
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.backend != "host"
+
+
+def torch_is_rocm() -> bool:
+    """Whether the torch in this process is a ROCm build (checked without importing it)."""
+    torch = sys.modules.get("torch")
+    return bool(getattr(getattr(torch, "version", None), "hip", None))
+
+
+def compiled_backends() -> tuple[str, ...]:
+    from kvcached_core import _native
+
+    return tuple(_native.compiled_backends())
+
+
+def parse_device(device: Any) -> Device:
+    """Resolve a device string (or ``torch.device``, or a bare GPU index).
+
+    Raises:
+        KVCachedConfigError: the string is malformed or names an unknown device type.
+        BackendUnavailableError: the backend it needs is not compiled into this build.
+    """
+    if isinstance(device, bool):
+        raise KVCachedConfigError(f"device {device!r} is not a device string")
+    if isinstance(device, int):
+        text = f"cuda:{device}"
+    else:
+        text = str(device).strip().lower()
+    match = _DEVICE_RE.match(text)
+    if match is None:
+        raise KVCachedConfigError(
+            f"device {device!r} is not a device string kvcached understands "
+            "(use 'cpu', 'cuda:N' or 'hip:N')"
+        )
+    kind, index_text = match.group(1), match.group(2)
+    index = int(index_text) if index_text is not None else 0
+    if kind == "cpu":
+        if index != 0:
+            raise KVCachedConfigError(f"device {device!r}: the host has one device, 'cpu'")
+        backend, torch_device = "host", "cpu"
+    else:
+        backend = "hip" if kind == "hip" or torch_is_rocm() else "cuda"
+        torch_device = f"cuda:{index}"
+    compiled = compiled_backends()
+    from kvcached_core.plugins import select_backend
+
+    chosen = select_backend(text, compiled)
+    if chosen is not None:
+        backend = chosen
+    if backend not in compiled:
+        raise BackendUnavailableError(
+            f"device {device!r} needs the {backend} backend, which is not compiled into "
+            f"this build of kvcached (compiled: {', '.join(compiled)}); reinstall "
+            f"kvcached-core on a machine with the {backend} headers"
+        )
+    return Device(backend=backend, index=index, torch_device=torch_device)

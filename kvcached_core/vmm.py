@@ -1,0 +1,53 @@
+"""Virtual tensors backed page by page: the Python face of the native mapper.
+
+>>> mapper = open_mapper("cpu")                 # or "cuda:0", "hip:1"
+>>> vt = mapper.reserve(64 << 20)               # address space only
+>>> mapper.map([vt], [0, 1])                    # back pages 0 and 1
+>>> t = as_tensor(vt, torch.float16)            # zero-copy torch view
+>>> mapper.unmap([vt], [1])                     # page 1 returns to the pool
+
+``PageMapper.map`` raises :class:`~kvcached_core.errors.DeviceOutOfMemoryError`
+when the device has no memory left (the batch is rolled back first), and
+:class:`~kvcached_core.errors.MappingError` for a bad request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvcached_core.device import Device, parse_device
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_PAGE_SIZE = 2 << 20
+
+
+def _native():
+    from kvcached_core import _native
+
+    return _native
+
+
+def open_mapper(device: Any = "cpu", page_size: int = DEFAULT_PAGE_SIZE):
+    """A page mapper for one device (``kvcached_core._native.PageMapper``)."""
+    dev = parse_device(device)
+    return _native().PageMapper(dev.backend, dev.index, page_size)
+
+
+def mapper_device(mapper) -> Device:
+    """The :class:`Device` a mapper serves."""
+    if mapper.backend == "host":
+        return Device("host", 0, "cpu")
+    return Device(mapper.backend, mapper.device, f"cuda:{mapper.device}")
+
+
+def as_tensor(vt, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+    """A 1-D zero-copy torch tensor over the whole virtual tensor.
+
+    It keeps the reservation alive. Only mapped pages may be touched.
+    """
+    import torch
+
+    t = torch.from_dlpack(vt.dlpack())
+    return t if dtype is None or dtype == torch.uint8 else t.view(dtype)

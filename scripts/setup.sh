@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for kvcached development: system packages (HIP
+# headers and runtime library, so the HIP backend is compiled in and checked),
+# a virtual environment in .venv with the CPU build of torch, and kvcached-core
+# installed in editable mode with its test tools. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -f /usr/include/hip/hip_runtime_api.h ] && command -v apt-get >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libamdhip64-dev >/dev/null
+  else
+    echo "setup: not root, skipping libamdhip64-dev (the HIP backend will not be built)" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip setuptools wheel pybind11
+# The CPU build of torch; any torch with DLPack works, this one is what CI uses.
+.venv/bin/python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
+pip install --no-build-isolation -e ".[test]"
+echo "setup: done ($(.venv/bin/python -c 'from kvcached_core import _native; print("backends:", ", ".join(_native.compiled_backends()))'))"
