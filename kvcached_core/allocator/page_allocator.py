@@ -1,0 +1,740 @@
+"""Page allocator: which page ids of one KV group are backed, and by whom.
+
+Every page id is in exactly one state:
+
+=============  ===============================================================
+free           not mapped
+reserved       mapped, not handed out: the next :meth:`PageAllocator.alloc_pages`
+               takes it without a driver call
+in use         handed out (to the block manager)
+in flight      being mapped or unmapped by some thread, outside the lock
+broken         an unmap failed and left it (partly) mapped: never reused,
+               still counted as mapped so the limit stays honest
+=============  ===============================================================
+
+*Mapped* pages are all but the free ones; the memory limit bounds them.
+
+Reserve policy
+--------------
+``alloc_pages`` takes reserved pages first (newest first), then maps free
+pages (lowest id first) in one all-or-nothing batch. ``free_pages`` keeps
+freed pages in the reserve up to ``max_reserved`` and unmaps the rest. With
+``prealloc`` on, a background thread refills the reserve to ``min_reserved``
+after allocations drain it. Unmapped handles stay in the mapper's recycle
+pool, which the allocator trims to ``max_reserved`` pages' worth after each
+unmap, so the physical footprint is at most in-use + 2 x ``max_reserved``
+pages. After ``idle_trim_s`` seconds without a page allocation or free the
+thread unmaps the whole reserve and empties the pool (once per idle spell).
+
+Memory limit
+------------
+``set_memory_limit(bytes)`` caps mapped pages at ``bytes // page_bytes``.
+A limit below what is in use is, by default, a *deferred shrink*: the reserve
+and the pool are released at once, no page is mapped while at or over the
+limit, and pages freed later are unmapped until the pool is under it. At all
+times (between calls) ``mapped <= max(limit, in_use)``, and once the pool is
+under the limit it stays there. With ``strict=True`` such a limit raises
+:class:`~kvcached_core.errors.KVCachedConfigError` naming the value instead.
+
+Out of memory
+-------------
+Running out of device memory is a scheduling miss: ``alloc_pages`` returns
+``None`` with every page back where it was. On GPU backends free device
+memory is read through ``mem_info()`` at most every ``mem_info_ttl_s``
+seconds (never per allocation), keeping ``1 - gpu_utilization`` of the device
+free, and pages in the mapper's pool count as available.
+
+Threads and fork
+----------------
+All state sits behind one lock; driver work (map, unmap, pool trim) runs
+outside it, on pages marked in flight. The background thread (daemon) starts
+on the first allocation, only when ``prealloc`` or idle trim is on, never at
+import or construction. :meth:`PageAllocator.close` stops and joins it; it
+also ends by itself once the allocator is garbage-collected. After ``fork()``
+the child has no thread and must not use the parent's allocator (GPU
+mappings do not survive fork either): every call there raises
+:class:`~kvcached_core.errors.KVCachedError` before touching the lock, which
+the parent's thread may have held at the fork. Create a new one in the child.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvcached_core.allocator.kv_tensors import KVTensors
+from kvcached_core.config import Settings, load_settings
+from kvcached_core.errors import (
+    DeviceOutOfMemoryError,
+    KVCachedConfigError,
+    KVCachedError,
+    MappingError,
+)
+
+__all__ = ["PageAllocator", "PageStats"]
+
+_log = logging.getLogger(__name__)
+
+_FREE, _RESERVED, _IN_USE, _MAPPING, _UNMAPPING, _BROKEN = range(6)
+_STATE_NAMES = ("free", "reserved", "in use", "being mapped", "being unmapped", "broken")
+
+_WAIT, _STOP, _REFILL, _TRIM = range(4)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+_UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True)
+class PageStats:
+    """A consistent snapshot of a :class:`PageAllocator`'s page counts."""
+
+    num_pages: int
+    in_use: int
+    reserved: int
+    free: int
+    in_flight: int
+    broken: int
+    limit_pages: int
+    page_bytes: int
+
+    @property
+    def mapped(self) -> int:
+        """Pages backed by physical memory (everything but free)."""
+        return self.num_pages - self.free
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.mapped * self.page_bytes
+
+
+def _wake(cond: threading.Condition) -> None:
+    """Finalizer: let a waiting worker notice that its allocator is gone."""
+    with cond:
+        cond.notify_all()
+
+
+def _worker_loop(ref: weakref.ref[PageAllocator], cond: threading.Condition) -> None:
+    """Background refill and idle trim; holds the allocator only while acting."""
+    while True:
+        with cond:
+            alloc = ref()
+            if alloc is None:
+                return
+            action, timeout = alloc._decide_locked(time.monotonic())
+            if action == _WAIT:
+                del alloc
+                if ref() is None:
+                    return
+                cond.wait(timeout)
+                continue
+        if action == _STOP:
+            return
+        try:
+            if action == _REFILL:
+                alloc._refill()
+            else:
+                alloc.trim()
+        except Exception:  # keep the thread alive; the next activity retries
+            _log.exception("kvcached page allocator background work failed")
+        finally:
+            alloc._work_done()
+        del alloc
+
+
+class PageAllocator:
+    """Hands out page ids of one KV group and keeps them mapped while in use.
+
+    Args:
+        kv_tensors: The group's buffers; their mapper does the driver work.
+        num_pages: Page ids to manage, ``0 .. num_pages-1`` (default: all).
+        settings: Defaults for the options below (default: :func:`load_settings`).
+        prealloc: Refill the reserve in a background thread.
+        min_reserved: Refill the reserve to this many pages.
+        max_reserved: Keep at most this many mapped-but-unused pages.
+        idle_trim_s: Release the reserve after this long idle (0: never).
+        memory_limit: Cap on mapped bytes (``None``: no cap).
+        gpu_utilization: On GPUs, leave ``1 - x`` of device memory free.
+        sync_on_unmap: Wait for queued device work before unmapping.
+        mem_info_ttl_s: How long a device free-memory reading stays valid.
+
+    Raises:
+        KVCachedConfigError: A setting is out of range.
+    """
+
+    def __init__(
+        self,
+        kv_tensors: KVTensors,
+        num_pages: int | None = None,
+        *,
+        settings: Settings | None = None,
+        prealloc: bool | None = None,
+        min_reserved: int | None = None,
+        max_reserved: int | None = None,
+        idle_trim_s: float | None = None,
+        memory_limit: int | None = _UNSET,
+        gpu_utilization: float | None = None,
+        sync_on_unmap: bool = True,
+        mem_info_ttl_s: float = 0.1,
+    ) -> None:
+        s = settings if settings is not None else load_settings()
+        total = kv_tensors.num_pages
+        n = total if num_pages is None else num_pages
+        if not 1 <= n <= total:
+            raise KVCachedConfigError(f"num_pages={num_pages} must be in 1..{total}")
+        lo = s.min_reserved_pages if min_reserved is None else min_reserved
+        hi = s.max_reserved_pages if max_reserved is None else max_reserved
+        if lo < 0 or hi < lo:
+            raise KVCachedConfigError(
+                f"reserve bounds min_reserved={lo}, max_reserved={hi} need 0 <= min <= max"
+            )
+        trim_s = s.idle_trim_s if idle_trim_s is None else idle_trim_s
+        util = s.gpu_utilization if gpu_utilization is None else gpu_utilization
+        if trim_s < 0 or not 0 < util <= 1:
+            raise KVCachedConfigError(
+                f"idle_trim_s={trim_s} must be >= 0 and gpu_utilization={util} in (0, 1]"
+            )
+        self._kv = kv_tensors
+        self._mapper = kv_tensors.mapper
+        self._num_pages = n
+        self._page_bytes = kv_tensors.page_bytes
+        self._prealloc = s.prealloc if prealloc is None else bool(prealloc)
+        self._min_reserved = min(lo, n)
+        self._max_reserved = min(hi, n)
+        self._idle_trim_s = float(trim_s)
+        self._sync_on_unmap = sync_on_unmap
+        self._pool_keep = self._max_reserved * kv_tensors.handles_per_page
+
+        self._cond = threading.Condition(threading.RLock())
+        self._state = bytearray(n)  # all _FREE
+        self._free = list(range(n))  # a heap: lowest id first
+        self._reserved: list[int] = []
+        self._n_in_use = 0
+        self._n_mapping = 0
+        self._n_unmapping = 0
+        self._n_prefetch = 0  # of _n_mapping: background refill in flight
+        self._n_broken = 0
+        self._limit_pages = n
+        self._limit_bytes: int | None = None
+
+        self._gpu = kv_tensors.device.is_gpu
+        self._headroom = util
+        self._mem_ttl = mem_info_ttl_s
+        self._phys_pages: int | None = None  # GPU only: pages the device can still back
+        self._phys_at = float("-inf")
+
+        self._last_activity = time.monotonic()
+        self._idle_trimmed = False
+        self._refill_wanted = False
+        self._worker_busy = False
+        self._stop = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        weakref.finalize(self, _wake, self._cond)
+
+        limit = s.memory_limit if memory_limit is _UNSET else memory_limit
+        if limit is not None:
+            self.set_memory_limit(limit)
+
+    def __repr__(self) -> str:
+        st = self.stats()
+        return (
+            f"<PageAllocator {self._kv.device.torch_device} pages={st.num_pages} "
+            f"in_use={st.in_use} reserved={st.reserved} limit={st.limit_pages}>"
+        )
+
+    def __enter__(self) -> PageAllocator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def kv_tensors(self) -> KVTensors:
+        return self._kv
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        """Physical bytes behind one page id (all layers and buffers)."""
+        return self._page_bytes
+
+    @property
+    def min_reserved(self) -> int:
+        return self._min_reserved
+
+    @property
+    def max_reserved(self) -> int:
+        return self._max_reserved
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The limit in bytes as last set, or ``None``."""
+        return self._limit_bytes
+
+    @property
+    def limit_pages(self) -> int:
+        """Most pages that may be mapped (``num_pages`` without a limit)."""
+        return self._limit_pages
+
+    @property
+    def num_in_use(self) -> int:
+        return self._n_in_use
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    @property
+    def num_mapped(self) -> int:
+        with self._cond:
+            return self._mapped_locked()
+
+    @property
+    def shrink_pending(self) -> bool:
+        """Whether more pages are mapped than the limit allows (a deferred shrink)."""
+        with self._cond:
+            return self._mapped_locked() > self._limit_pages
+
+    def stats(self) -> PageStats:
+        """A consistent snapshot of the page counts."""
+        with self._cond:
+            return PageStats(
+                num_pages=self._num_pages,
+                in_use=self._n_in_use,
+                reserved=len(self._reserved),
+                free=len(self._free),
+                in_flight=self._n_mapping + self._n_unmapping,
+                broken=self._n_broken,
+                limit_pages=self._limit_pages,
+                page_bytes=self._page_bytes,
+            )
+
+    def page_state(self, page_id: int) -> str:
+        """``"free"``, ``"reserved"``, ``"in use"``, ``"being mapped"``, ... of one page."""
+        self._check_page(page_id)
+        return _STATE_NAMES[self._state[page_id]]
+
+    def available_pages(self) -> int:
+        """Pages :meth:`alloc_pages` could hand out now (limit and device memory allowing)."""
+        self._refresh_phys()
+        with self._cond:
+            return len(self._reserved) + self._n_prefetch + self._room_locked()
+
+    # ------------------------------------------------------------ allocation
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """Take ``n`` pages, all or nothing; ``None`` when there is no space.
+
+        No space means: the limit, the page count or device memory does not
+        allow it, or mapping ran out of device memory (then everything is
+        rolled back). Other driver errors propagate, also after a rollback.
+        """
+        if n <= 0:
+            if n == 0:
+                return []
+            raise ValueError(f"cannot allocate {n} pages")
+        self._check_owner()
+        self._refresh_phys()
+        self._ensure_worker()
+        with self._cond:
+            if self._closed:
+                raise KVCachedError("this PageAllocator is closed")
+            while True:
+                from_reserve = min(n, len(self._reserved))
+                fresh_n = n - from_reserve
+                if fresh_n <= self._room_locked():
+                    break
+                if not self._n_prefetch:
+                    return None
+                self._cond.wait()  # a background refill is landing; count again
+            taken = self._reserved[len(self._reserved) - from_reserve :]
+            del self._reserved[len(self._reserved) - from_reserve :]
+            fresh = self._take_free_locked(fresh_n)
+            self._set_locked(taken, _IN_USE)
+            self._n_in_use += from_reserve
+            self._touch_locked()
+            if (
+                self._prealloc
+                and len(self._reserved) + self._n_prefetch < self._min_reserved
+                and self._free
+            ):
+                self._refill_wanted = True
+                self._cond.notify_all()
+        if not fresh:
+            return taken
+        return taken + fresh if self._map_fresh(taken, fresh) else None
+
+    def alloc_page(self) -> int | None:
+        """One page id, or ``None`` when there is no space."""
+        pages = self.alloc_pages(1)
+        return pages[0] if pages else None
+
+    def claim_page(self, page_id: int) -> bool:
+        """Take one specific page (e.g. page 0 for the null block).
+
+        Returns ``False`` when it is free but there is no space to map it.
+
+        Raises:
+            MappingError: The page is already in use (or in flight, or broken).
+        """
+        self._check_page(page_id)
+        self._check_owner()
+        self._refresh_phys()
+        with self._cond:
+            if self._closed:
+                raise KVCachedError("this PageAllocator is closed")
+            state = self._state[page_id]
+            if state == _RESERVED:
+                self._reserved.remove(page_id)
+                self._set_locked([page_id], _IN_USE)
+                self._n_in_use += 1
+                self._touch_locked()
+                return True
+            if state != _FREE:
+                raise MappingError(f"page {page_id} is {_STATE_NAMES[state]}, not free")
+            if self._room_locked() < 1:
+                return False
+            self._free.remove(page_id)
+            heapq.heapify(self._free)
+            self._set_locked([page_id], _MAPPING)
+            self._n_mapping += 1
+            if self._phys_pages is not None:
+                self._phys_pages -= 1
+            self._touch_locked()
+        return self._map_fresh([], [page_id])
+
+    def free_pages(self, pages: Iterable[int]) -> None:
+        """Give pages back: into the reserve up to ``max_reserved`` (and the limit), else unmapped.
+
+        Raises:
+            MappingError: A page is not in use or repeats; nothing changes then.
+        """
+        pages = list(pages)
+        if not pages:
+            return
+        self._check_owner()
+        with self._cond:
+            seen: set[int] = set()
+            for p in pages:
+                self._check_page(p)
+                if self._state[p] != _IN_USE or p in seen:
+                    what = "given twice" if p in seen else _STATE_NAMES[self._state[p]]
+                    raise MappingError(f"cannot free page {p}: it is {what}, not in use")
+                seen.add(p)
+            self._n_in_use -= len(pages)
+            cap = min(len(pages), 0 if self._closed else self._max_reserved - len(self._reserved))
+            limit_room = self._limit_pages - self._mapped_locked()  # without these pages
+            keep = max(0, min(cap, limit_room))
+            self._set_locked(pages[:keep], _RESERVED)
+            self._reserved.extend(pages[:keep])
+            drop = pages[keep:]
+            self._begin_unmap_locked(drop)
+            self._touch_locked()
+        if drop:
+            self._unmap(drop)
+            # Unmapped for the limit: give the memory back to the device too.
+            self._trim_pool(0 if limit_room < cap else self._pool_keep)
+
+    def free_page(self, page_id: int) -> None:
+        """Give one page back (see :meth:`free_pages`)."""
+        self.free_pages([page_id])
+
+    # ------------------------------------------------------------ limit, trim
+
+    def set_memory_limit(self, limit_bytes: int | None, *, strict: bool = False) -> int:
+        """Cap the mapped bytes of this pool; returns the cap in pages.
+
+        ``None`` lifts the cap. A cap below the bytes in use shrinks lazily
+        (see the module docs), or with ``strict`` raises.
+
+        Raises:
+            KVCachedConfigError: The value is not a byte count, or ``strict``
+                and it is below the bytes in use.
+        """
+        if limit_bytes is None:
+            pages = self._num_pages
+        elif isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 0:
+            raise KVCachedConfigError(f"memory limit {limit_bytes!r} is not a byte count >= 0")
+        else:
+            pages = min(self._num_pages, limit_bytes // self._page_bytes)
+        self._check_owner()
+        with self._cond:
+            used = self._n_in_use + self._n_mapping - self._n_prefetch
+            if strict and pages < used:
+                raise KVCachedConfigError(
+                    f"memory limit {limit_bytes} bytes ({pages} pages of {self._page_bytes} bytes) "
+                    f"is below the {used * self._page_bytes} bytes ({used} pages) in use; free "
+                    "KV blocks first, or set it without strict to shrink as they are freed"
+                )
+            lowered = pages < self._limit_pages
+            self._limit_pages = pages
+            self._limit_bytes = limit_bytes
+            drop = self._pop_reserve_locked(self._mapped_locked() - pages)
+        if drop:
+            self._unmap(drop)
+        if lowered:
+            self._trim_pool(0)
+        return pages
+
+    def trim(self) -> int:
+        """Unmap every reserved page and release the mapper's pooled handles.
+
+        Returns the number of pages unmapped.
+        """
+        self._check_owner()
+        with self._cond:
+            drop = self._pop_reserve_locked(len(self._reserved))
+        if drop:
+            self._unmap(drop)
+        self._trim_pool(0)
+        return len(drop)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no page is in flight and no background work is pending."""
+        self._check_owner()
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not (
+                    self._n_mapping
+                    or self._n_unmapping
+                    or self._refill_wanted
+                    or self._worker_busy
+                ),
+                timeout,
+            )
+
+    def close(self) -> None:
+        """Stop the background thread and release the reserve; idempotent.
+
+        Pages in use stay mapped until freed (freeing after close unmaps at once).
+        """
+        if os.getpid() != self._pid:
+            self._closed = True  # a forked child: no thread here, and not our memory
+            return
+        with self._cond:
+            self._stop = True
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self.trim()
+
+    # ------------------------------------------------------------ internals
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self._pid:
+            raise KVCachedError(
+                f"this PageAllocator belongs to process {self._pid}; process {os.getpid()} "
+                "is a fork of it and must create its own"
+            )
+
+    def _check_page(self, page_id: int) -> None:
+        if not (isinstance(page_id, int) and 0 <= page_id < self._num_pages):
+            raise MappingError(f"page id {page_id!r} outside 0..{self._num_pages - 1}")
+
+    def _mapped_locked(self) -> int:
+        return (
+            self._n_in_use
+            + len(self._reserved)
+            + self._n_mapping
+            + self._n_unmapping
+            + self._n_broken
+        )
+
+    def _room_locked(self) -> int:
+        """Free pages that may be newly mapped now."""
+        room = min(len(self._free), self._limit_pages - self._mapped_locked())
+        if self._phys_pages is not None:
+            room = min(room, self._phys_pages)
+        return max(room, 0)
+
+    def _set_locked(self, pages: list[int], state: int) -> None:
+        st = self._state
+        for p in pages:
+            st[p] = state
+
+    def _take_free_locked(self, n: int) -> list[int]:
+        pages = [heapq.heappop(self._free) for _ in range(n)]
+        self._set_locked(pages, _MAPPING)
+        self._n_mapping += n
+        if self._phys_pages is not None:
+            self._phys_pages -= n
+        return pages
+
+    def _begin_unmap_locked(self, pages: list[int]) -> None:
+        self._set_locked(pages, _UNMAPPING)
+        self._n_unmapping += len(pages)
+
+    def _pop_reserve_locked(self, n: int) -> list[int]:
+        """Take up to ``n`` of the newest reserved pages and mark them for unmapping."""
+        n = min(n, len(self._reserved))
+        if n <= 0:
+            return []
+        drop = self._reserved[len(self._reserved) - n :]
+        del self._reserved[len(self._reserved) - n :]
+        self._begin_unmap_locked(drop)
+        return drop
+
+    def _touch_locked(self) -> None:
+        self._last_activity = time.monotonic()
+        if self._idle_trimmed:
+            self._idle_trimmed = False
+            self._cond.notify_all()  # the worker waits without a deadline after a trim
+
+    def _map_fresh(self, taken: list[int], fresh: list[int], prefetch: bool = False) -> bool:
+        """Map ``fresh`` (marked in flight); on failure put everything back.
+
+        Returns ``False`` for out of memory; other errors propagate.
+        """
+        try:
+            self._kv.map_pages(fresh)
+        except BaseException as exc:
+            with self._cond:
+                self._n_mapping -= len(fresh)
+                self._set_locked(fresh, _FREE)
+                for p in fresh:
+                    heapq.heappush(self._free, p)
+                self._set_locked(taken, _RESERVED)
+                self._reserved.extend(taken)
+                self._n_in_use -= len(taken)
+                if self._phys_pages is not None:
+                    # The device is fuller than the last reading: trust none until the next.
+                    self._phys_pages = 0 if isinstance(exc, DeviceOutOfMemoryError) else (
+                        self._phys_pages + len(fresh)
+                    )
+                self._cond.notify_all()
+            if isinstance(exc, DeviceOutOfMemoryError):
+                return False
+            raise
+        with self._cond:
+            self._n_mapping -= len(fresh)
+            if prefetch:
+                self._set_locked(fresh, _RESERVED)
+                self._reserved.extend(fresh)
+            else:
+                self._set_locked(fresh, _IN_USE)
+                self._n_in_use += len(fresh)
+            self._cond.notify_all()
+        return True
+
+    def _unmap(self, pages: list[int]) -> None:
+        """Unmap pages marked in flight. A failure is logged, not raised: pages
+        still mapped are quarantined as broken, the rest become free."""
+        ok = True
+        try:
+            self._kv.unmap_pages(pages, self._sync_on_unmap)
+        except Exception:
+            ok = False
+            _log.exception("kvcached: unmapping pages %s failed", pages)
+        with self._cond:
+            self._n_unmapping -= len(pages)
+            freed = 0
+            for p in pages:
+                if ok or not self._kv.is_mapped(p):
+                    self._state[p] = _FREE
+                    heapq.heappush(self._free, p)
+                    freed += 1
+                else:
+                    self._state[p] = _BROKEN
+                    self._n_broken += 1
+            if self._phys_pages is not None:
+                self._phys_pages += freed
+            self._cond.notify_all()
+
+    def _trim_pool(self, keep: int) -> None:
+        try:
+            self._mapper.trim_pool(keep)
+        except Exception:
+            _log.exception("kvcached: releasing pooled page handles failed")
+
+    def _refresh_phys(self) -> None:
+        """Re-read device free memory when the last reading is stale (GPUs only)."""
+        if not self._gpu:
+            return
+        now = time.monotonic()
+        if now - self._phys_at < self._mem_ttl:
+            return
+        free, total = self._mapper.mem_info()
+        pooled = self._mapper.stats().pooled_handles // self._kv.handles_per_page
+        spare = max(0, free - int(total * (1.0 - self._headroom)))
+        with self._cond:
+            self._phys_pages = spare // self._page_bytes + pooled
+            self._phys_at = now
+
+    # ------------------------------------------------------------ background
+
+    def _ensure_worker(self) -> None:
+        if self._thread is not None or not (self._prealloc or self._idle_trim_s > 0):
+            return
+        with self._cond:
+            if self._thread is None and not self._stop:
+                dev = self._kv.device
+                self._thread = threading.Thread(
+                    target=_worker_loop,
+                    args=(weakref.ref(self), self._cond),
+                    name=f"kvcached-pages-{dev.backend}{dev.index}",
+                    daemon=True,
+                )
+                self._thread.start()
+
+    def _decide_locked(self, now: float) -> tuple[int, float | None]:
+        """The worker's next step, and how long to wait when there is none."""
+        if self._stop:
+            return _STOP, None
+        if self._refill_wanted:
+            self._refill_wanted = False
+            self._worker_busy = True
+            return _REFILL, None
+        if self._idle_trim_s > 0 and not self._idle_trimmed:
+            deadline = self._last_activity + self._idle_trim_s
+            if now < deadline:
+                return _WAIT, deadline - now
+            self._idle_trimmed = True
+            self._worker_busy = True
+            return _TRIM, None
+        return _WAIT, None
+
+    def _work_done(self) -> None:
+        with self._cond:
+            self._worker_busy = False
+            self._cond.notify_all()
+
+    def _refill(self) -> None:
+        """Map pages into the reserve up to ``min_reserved`` (background thread)."""
+        self._refresh_phys()
+        with self._cond:
+            want = self._min_reserved - len(self._reserved) - self._n_prefetch
+            k = min(want, self._room_locked())
+            if self._closed or k <= 0:
+                return
+            fresh = self._take_free_locked(k)
+            self._n_prefetch += k
+        try:
+            self._map_fresh([], fresh, prefetch=True)
+        finally:
+            with self._cond:
+                self._n_prefetch -= k
+                # The limit may have dropped while mapping: hand back the excess.
+                drop = self._pop_reserve_locked(self._mapped_locked() - self._limit_pages)
+                self._cond.notify_all()  # allocations waiting for this refill
+            if drop:
+                self._unmap(drop)
