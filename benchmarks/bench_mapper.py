@@ -83,6 +83,20 @@ def bench_latency(device: str, backend: str, index: int, pages: int, rounds: int
     }
 
 
+def bench_batched(device: str, pages: int, batch: int) -> dict:
+    """Per-page cost when the allocator maps and unmaps `batch` pages per call."""
+    mapper = open_mapper(device, PAGE)
+    vt = mapper.reserve(pages * PAGE)
+    batches = [list(range(i, i + batch)) for i in range(0, pages - batch + 1, batch)]
+    cold = timed_calls(lambda b: mapper.map([vt], b), batches)
+    shrink = timed_calls(lambda b: mapper.unmap([vt], b, synchronize=True), batches)
+    recycled = timed_calls(lambda b: mapper.map([vt], b), batches)
+    return {"batch_pages": batch,
+            "cold_grow_us_per_page": round(median(cold) / batch, 3),
+            "recycled_grow_us_per_page": round(median(recycled) / batch, 3),
+            "shrink_with_sync_us_per_page": round(median(shrink) / batch, 3)}
+
+
 def bench_unmap_sync(device: str, pages: int) -> dict:
     """Cost of the device synchronisation an unmap does before touching a page."""
     mapper = open_mapper(device, PAGE)
@@ -171,6 +185,7 @@ def main(argv=None) -> int:
         result["torch"] = torch.__version__
     result["latency"] = bench_latency(args.device, dev.backend, dev.index, args.pages, args.rounds)
     result["latency"].update(bench_unmap_sync(args.device, args.pages))
+    result["batched"] = bench_batched(args.device, args.pages, 32)
     # a 32-layer model's K and V buffers, 2 GiB of virtual space each
     result["reserve_32_layers"] = bench_reservation(args.device, 32, 2 << 30, 10)
     if dev.is_gpu:
@@ -185,6 +200,7 @@ def main(argv=None) -> int:
         r = lat[key]
         print(f"{key:<16}{r['kvcached_us']:>12}{r['raw_us']:>10}{r['ratio']:>8}")
     print(f"unmap with device sync: {lat['unmap_with_sync_us']} us")
+    print(f"32-page batches, per page: {result['batched']}")
     print(f"reserve 32-layer KV tensors: {result['reserve_32_layers']['median_ms']} ms")
     if "read_bandwidth" in result:
         bw = result["read_bandwidth"]

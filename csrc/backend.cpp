@@ -1,6 +1,5 @@
 // Backend registry: which backends this build holds and how to open one.
 #include <cstdio>
-#include <sstream>
 
 #include "backend.h"
 
@@ -63,10 +62,13 @@ SymbolReport probe_backend(const std::string& backend) {
   not_compiled(backend);
 }
 
+// snprintf rather than iostreams: a stream's locale machinery can come from
+// another libstdc++ than the one this extension was built with (torch and
+// other extensions load their own), and crash when touched.
 std::string hex(std::uintptr_t value) {
-  std::ostringstream out;
-  out << "0x" << std::hex << value;
-  return out.str();
+  char buf[2 + 2 * sizeof(value) + 1];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(value));
+  return buf;
 }
 
 void report_error(const std::string& message) noexcept {

@@ -14,10 +14,9 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
+#include <cstdio>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <vector>
 
 #include "backend.h"
@@ -147,13 +146,16 @@ class HostBackend final : public Backend {
   }
 
   MemInfo mem_info() override {
-    std::ifstream in("/proc/meminfo");
-    std::string key;
-    std::size_t value = 0, total = 0, avail = 0;
-    std::string unit;
-    while (in >> key >> value >> unit) {
-      if (key == "MemTotal:") total = value * 1024;
-      if (key == "MemAvailable:") avail = value * 1024;
+    // stdio, not iostreams: see hex() in backend.cpp.
+    std::size_t total = 0, avail = 0;
+    if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+      char key[64];
+      unsigned long long kib = 0;
+      while (std::fscanf(f, "%63s %llu kB", key, &kib) == 2) {
+        if (std::strcmp(key, "MemTotal:") == 0) total = kib * 1024;
+        if (std::strcmp(key, "MemAvailable:") == 0) avail = kib * 1024;
+      }
+      std::fclose(f);
     }
     return MemInfo{avail, total};
   }

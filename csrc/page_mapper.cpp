@@ -181,28 +181,41 @@ std::shared_ptr<VirtualTensor> PageMapper::reserve(std::size_t size) {
 }
 
 namespace {
+// Index of an item that appeared earlier in `items`, or -1. Small batches
+// (the common case) are checked pairwise without allocating.
+template <typename T>
+std::ptrdiff_t find_duplicate(const std::vector<T>& items) {
+  if (items.size() <= 32) {
+    for (std::size_t i = 1; i < items.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        if (items[i] == items[j]) return static_cast<std::ptrdiff_t>(i);
+    return -1;
+  }
+  std::unordered_set<T> seen;
+  for (std::size_t i = 0; i < items.size(); ++i)
+    if (!seen.insert(items[i]).second) return static_cast<std::ptrdiff_t>(i);
+  return -1;
+}
+
 // Validates a batch before any driver call, so a bad request changes nothing.
 void check_batch(const MapperCore* core,
                  const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
                  const std::vector<std::int64_t>& pages, bool want_mapped) {
   const char* verb = want_mapped ? "unmap" : "map";
-  std::unordered_set<std::int64_t> seen;
-  for (std::int64_t p : pages) {
-    if (!seen.insert(p).second) {
-      throw Error(ErrorKind::kInvalidArgument, "page " + std::to_string(p) +
-                                                   " appears twice in one " + verb +
-                                                   " batch");
-    }
+  std::ptrdiff_t dup = find_duplicate(pages);
+  if (dup >= 0) {
+    throw Error(ErrorKind::kInvalidArgument, "page " + std::to_string(pages[dup]) +
+                                                 " appears twice in one " + verb +
+                                                 " batch");
   }
-  std::unordered_set<const VirtualTensor*> seen_tensors;
+  dup = find_duplicate(tensors);
+  if (dup >= 0) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "virtual tensor at " + hex(tensors[dup] ? tensors[dup]->address() : 0) +
+                    " appears twice in one " + verb + " batch");
+  }
   for (const auto& t : tensors) {
     if (!t) throw Error(ErrorKind::kInvalidArgument, "virtual tensor is None");
-    if (!seen_tensors.insert(t.get()).second) {
-      throw Error(ErrorKind::kInvalidArgument, "virtual tensor at " +
-                                                   hex(t->address()) +
-                                                   " appears twice in one " + verb +
-                                                   " batch");
-    }
     if (&t->core() != core) {
       throw Error(ErrorKind::kInvalidArgument, "virtual tensor at " +
                                                    hex(t->address()) +

@@ -31,6 +31,10 @@ def test_unknown_or_malformed_device_string(device):
 def test_device_strings_resolve():
     assert parse_device("cpu").backend == "host"
     assert parse_device("CUDA:1").torch_device == "cuda:1"
+    if "hip" not in _native.compiled_backends():
+        with pytest.raises(BackendUnavailableError, match="hip backend"):
+            parse_device("hip:2")
+        return
     hip = parse_device("hip:2")
     assert (hip.backend, hip.index, hip.torch_device) == ("hip", 2, "cuda:2")
 
