@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from kvcached_core.allocator import K, V, KVBlockManager, KVLayout, KVTensors, PageAllocator  # noqa: E402
 
-from conftest import QUIET  # noqa: E402  (tests/allocator is on sys.path)
+from tests.allocator.conftest import QUIET  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 PAGE = 2 << 20

@@ -17,7 +17,7 @@ import pytest
 from kvcached_core.allocator import KVLayout, KVTensors, PageAllocator
 from kvcached_core.errors import KVCachedConfigError, KVCachedError, MappingError
 
-from conftest import QUIET  # noqa: E402  (tests/allocator is on sys.path)
+from tests.allocator.conftest import QUIET  # noqa: E402
 
 
 def mapped(stack) -> int:

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
 from kvcached_core.errors import KVCachedConfigError, MappingError
 
-from conftest import QUIET  # noqa: E402  (tests/allocator is on sys.path)
+from tests.allocator.conftest import QUIET  # noqa: E402
 
 PAGE = 64 << 10
 NUM_PAGES = 12

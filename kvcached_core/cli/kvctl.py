@@ -1,0 +1,133 @@
+"""``kvctl``: inspect and control kvcached.
+
+Each subcommand registers itself in :func:`build_parser` through an
+``add_<name>_command(subparsers)`` function that sets ``func`` (the handler,
+called with the parsed arguments and returning the exit status).
+
+Subcommands:
+
+* ``doctor [--json] [--import-engines]``: installed plugins, engine versions
+  and the patches that would apply; exit status 0 when no problem was found,
+  1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+__all__ = ["add_doctor_command", "build_parser", "main", "render_doctor"]
+
+
+def _yes_no(value: bool | None) -> str:
+    return "invalid" if value is None else ("yes" if value else "no")
+
+
+def render_doctor(report: dict[str, Any], out: TextIO) -> None:
+    """Write a doctor report (see :func:`kvcached_core.plugins.doctor.build_report`) as text."""
+    write = out.write
+    write(f"kvcached-core {report['kvcached_core']['version']} (Python {report['python']})\n")
+    write(f"enabled: {_yes_no(report['enabled'])}   strict: {_yes_no(report['strict'])}\n")
+    settings = [f"{k}={v}" for k, v in report["env"].items() if v is not None]
+    write(f"settings: {', '.join(settings) or 'none'}\n")
+
+    write(f"\nplugins (entry-point group {report['entry_point_group']}):\n")
+    if not report["plugins"]:
+        write("  none installed\n")
+    for plugin in report["plugins"]:
+        dist = f"{plugin['distribution']} {plugin['distribution_version'] or ''}".strip()
+        line = f"  {plugin['name']:<16} {dist:<28} {plugin['status']}"
+        if plugin["hooks"]:
+            line += f"  hooks: {', '.join(plugin['hooks'])}"
+        if plugin["error"]:
+            line += f"  ({plugin['error']})"
+        write(line + "\n")
+
+    write("\nengines:\n")
+    if not report["engines"]:
+        write("  no engine adapter registered\n")
+    for engine in report["engines"]:
+        version = engine["version"] or {}
+        found = version.get("value") or "unknown"
+        if version.get("source"):
+            found += f" ({version['source']})"
+        elif engine["installed"] is False:
+            found = "not installed"
+        in_range = {True: "supported", False: "NOT supported", None: ""}[engine["in_range"]]
+        write(
+            f"  {engine['name']}: adapter from {engine['plugin']} ({engine['distribution']}), "
+            f"supports {engine['versions'] or '-'}; found {found} {in_range}\n"
+        )
+        if version.get("note"):
+            write(f"    note: {version['note']}\n")
+        for patch in engine["patches"]:
+            reason = f"  ({patch['reason']})" if patch["reason"] else ""
+            write(f"    {patch['verdict']:<12} {patch['name']}  ->  {patch['target']}{reason}\n")
+        if engine["bootstrap"]:
+            boot = engine["bootstrap"]
+            write(f"    bootstrapped in this process: {boot['status']} {boot['reason']}\n")
+
+    write("\nbackends contributed by plugins:\n")
+    if not report["backends"]:
+        write("  none\n")
+    for backend in report["backends"]:
+        devices = ", ".join(backend["devices"]) or "-"
+        write(f"  {backend['name']} (devices: {devices}) from {backend['plugin']}\n")
+
+    write("\nproblems:\n" if report["problems"] else "\nno problems found\n")
+    for problem in report["problems"]:
+        write(f"  - {problem}\n")
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from kvcached_core.plugins.doctor import build_report
+
+    report = build_report(import_engines=args.import_engines)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render_doctor(report, sys.stdout)
+    return 0 if report["ok"] else 1
+
+
+def add_doctor_command(subparsers: Any) -> None:
+    """Add ``kvctl doctor`` to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check installed plugins, engine versions and patches",
+        description="Report kvcached's plugins, the engines they adapt, the versions "
+        "found and the patches that would apply. Exit status 1 when a problem is found.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--import-engines",
+        action="store_true",
+        help="import engines and patch targets (slower; reads __version__, checks targets)",
+    )
+    parser.set_defaults(func=_run_doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvctl`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="kvctl", description="Inspect and control kvcached.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_doctor_command(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvctl`` and return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

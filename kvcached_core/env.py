@@ -1,0 +1,147 @@
+"""Parsing of kvcached's environment variables.
+
+This module is the one place where kvcached turns ``KVCACHED_*`` environment
+variables into typed values. Every parser reads :data:`os.environ` at call time
+(nothing is cached, nothing happens at import), treats an unset or blank
+variable as "use the default", and raises :class:`KVCachedConfigError` naming
+the variable and the bad value otherwise::
+
+    >>> import os
+    >>> os.environ["KVCACHED_ENABLED"] = "maybe"
+    >>> env_bool("KVCACHED_ENABLED", True)
+    Traceback (most recent call last):
+    ...
+    kvcached_core.errors.KVCachedConfigError: KVCACHED_ENABLED='maybe' is not a boolean (use 1/0/true/false/yes/no/on/off)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from kvcached_core.errors import KVCachedConfigError
+
+__all__ = [
+    "KVCachedConfigError",
+    "env_bool",
+    "env_int",
+    "env_float",
+    "env_list",
+]
+
+_N = TypeVar("_N", int, float)
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _raw(name: str) -> str | None:
+    """Return the stripped value of ``name``, or ``None`` when unset or blank."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """Read a boolean variable.
+
+    Accepts ``1/0``, ``true/false``, ``yes/no`` and ``on/off`` in any case.
+
+    Args:
+        name: The environment variable, e.g. ``"KVCACHED_ENABLED"``.
+        default: The value when the variable is unset or blank.
+
+    Raises:
+        KVCachedConfigError: The value is none of the accepted spellings.
+    """
+    value = _raw(name)
+    if value is None:
+        return default
+    lowered = value.lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise KVCachedConfigError(
+        f"{name}={value!r} is not a boolean (use 1/0/true/false/yes/no/on/off)"
+    )
+
+
+def _env_number(
+    name: str,
+    default: _N,
+    parse: Callable[[str], _N],
+    what: str,
+    minimum: _N | None,
+    maximum: _N | None,
+) -> _N:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        number = parse(value)
+    except ValueError:
+        raise KVCachedConfigError(f"{name}={value!r} is not {what}") from None
+    if minimum is not None and number < minimum:
+        raise KVCachedConfigError(f"{name}={number!r} is below the minimum {minimum!r}")
+    if maximum is not None and number > maximum:
+        raise KVCachedConfigError(f"{name}={number!r} is above the maximum {maximum!r}")
+    return number
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(text)
+    return number
+
+
+def env_int(name: str, default: int, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Read an integer variable (decimal, optionally signed).
+
+    Args:
+        name: The environment variable.
+        default: The value when the variable is unset or blank (not range-checked).
+        minimum: The smallest accepted value, if any.
+        maximum: The largest accepted value, if any.
+
+    Raises:
+        KVCachedConfigError: The value is not an integer or is out of range.
+    """
+    return _env_number(name, default, lambda text: int(text, 10), "an integer", minimum, maximum)
+
+
+def env_float(
+    name: str, default: float, minimum: float | None = None, maximum: float | None = None
+) -> float:
+    """Read a finite floating-point variable; the arguments are those of :func:`env_int`.
+
+    Raises:
+        KVCachedConfigError: The value is not a finite number or is out of range.
+    """
+    return _env_number(name, default, _finite_float, "a finite number", minimum, maximum)
+
+
+def env_list(name: str, default: Sequence[str] = ()) -> list[str]:
+    """Read a comma-separated list.
+
+    Items are stripped; empty items and repeats are dropped, order is kept
+    (``" a, b,,a "`` gives ``["a", "b"]``).
+
+    Args:
+        name: The environment variable.
+        default: The items when the variable is unset or blank.
+    """
+    value = _raw(name)
+    if value is None:
+        return list(default)
+    items: list[str] = []
+    for item in value.split(","):
+        item = item.strip()
+        if item and item not in items:
+            items.append(item)
+    return items

