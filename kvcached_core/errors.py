@@ -58,3 +58,69 @@ class BackendUnavailableError(KVCachedError, RuntimeError):
 
 class MappingError(KVCachedError, ValueError):
     """A bad request to the page mapper: page size, page index, double map or unmap."""
+
+
+class IPCError(KVCachedError, RuntimeError):
+    """Cross-process machinery failed: socket directory, shared-memory segment or peer.
+
+    The message names the path involved and what to do about it.
+    """
+
+
+class ProtocolError(IPCError, ValueError):
+    """A frame on a kvcached socket is malformed: bad magic, version, type or length."""
+
+
+class WorkerError(IPCError):
+    """A worker did not apply a broadcast request.
+
+    Raised on the scheduler side when a worker's connection is dead or closed,
+    a reply does not arrive within the timeout, or the worker answers with an
+    error. :attr:`rank`, :attr:`pp_stage` and :attr:`path` name the first
+    failing worker and :attr:`cause` says why; :attr:`failures` lists every
+    failing ``(rank, pp_stage, cause)`` of the call and :attr:`succeeded` the
+    ``(rank, pp_stage)`` pairs that did apply it, so a caller can roll back.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        path: str,
+        cause: str,
+        *,
+        pp_stage: int = 0,
+        failures: tuple[tuple[int, int, str], ...] = (),
+        succeeded: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        self.rank = rank
+        self.pp_stage = pp_stage
+        self.path = path
+        self.cause = cause
+        self.failures = failures or ((rank, pp_stage, cause),)
+        self.succeeded = succeeded
+        where = f"worker rank {rank}" + (f" (pipeline stage {pp_stage})" if pp_stage else "")
+        message = f"{where} at {path}: {cause}"
+        others = [f"rank {r}" + (f"/stage {s}" if s else "") + f": {c}"
+                  for r, s, c in self.failures if (r, s) != (rank, pp_stage)]
+        if others:
+            message += "; also " + "; ".join(others)
+        super().__init__(message)
+
+    def __reduce__(self):  # keep the keyword-only fields through pickling
+        return (_rebuild_worker_error, (type(self), self.rank, self.path, self.cause,
+                                        self.pp_stage, self.failures, self.succeeded))
+
+
+class WorkerOutOfMemoryError(WorkerError, MemoryError):
+    """Every failing worker ran out of device memory while mapping.
+
+    An allocator treats this as "no space" after unmapping the pages on the
+    workers listed in :attr:`succeeded`.
+    """
+
+
+def _rebuild_worker_error(cls, rank, path, cause, pp_stage, failures, succeeded) -> WorkerError:
+    return cls(rank, path, cause, pp_stage=pp_stage, failures=failures, succeeded=succeeded)
+
+
+__all__ += ["IPCError", "ProtocolError", "WorkerError", "WorkerOutOfMemoryError"]

@@ -1,0 +1,433 @@
+"""Per-pool shared-memory segments: limit / used / reserved bytes for ``kvctl`` and ``kvtop``.
+
+Every KV pool (one per engine instance and KV cache group) owns one small
+file ``kvcached.<namespace>.<pool>`` in ``/dev/shm`` (or ``$KVCACHED_SHM_DIR``,
+or the IPC base directory where there is no ``/dev/shm``), mode 0600. The
+owner creates it, updates it without a system call, and unlinks it on
+:meth:`PoolSegment.close`. ``kvctl`` and ``kvtop`` find segments by listing the
+directory and keeping the files whose magic and version check out.
+
+Layout (native byte order; the file never leaves the machine)::
+
+    offset field        written by
+         0 magic        owner, last, once the rest is in place: b"KVCPOOL\\0"
+         8 version u32  owner
+        12 size u32     owner (bytes of the layout, for forward compatibility)
+        16 pid i64      owner
+        24 created_ns   owner (CLOCK_REALTIME)
+        32 seq u64      owner: seqlock over used..updated_ns (odd while writing)
+        40 used i64     owner: bytes of pages in use
+        48 reserved i64 owner: bytes mapped ahead of demand
+        56 capacity i64 owner: virtual bytes of the pool
+        64 updated_ns   owner (CLOCK_REALTIME)
+        72 limit i64    kvctl: bytes the pool may map, -1 for none
+        80 limit_gen    kvctl: bumped on every limit write
+        96 namespace    owner, 64 bytes, NUL padded
+       160 pool         owner, 64 bytes, NUL padded
+
+Concurrency: the owner is the only writer of the stats block and publishes it
+under the seqlock, so a reader gets a consistent (used, reserved, capacity,
+updated) snapshot. Limit writers (``kvctl``; rare, maybe concurrent) take an
+``flock`` on the file, store the limit then bump ``limit_gen``; the owner
+reads them without any lock. Every field is an aligned 8-byte word, read and
+written through an int64 ``memoryview`` (one 8-byte copy per access), so no
+single value is ever torn. ``struct.pack_into`` is not used on shared words:
+it zero-fills its target before writing, so a reader could see a transient 0.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+import struct
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcached_core.errors import IPCError
+from kvcached_core.ipc import paths
+
+__all__ = [
+    "NO_LIMIT",
+    "PREFIX",
+    "PoolStats",
+    "PoolView",
+    "PoolSegment",
+    "shm_dir",
+    "segment_path",
+    "list_pools",
+    "open_pool",
+    "set_limit",
+    "remove_stale",
+]
+
+MAGIC = b"KVCPOOL\0"
+VERSION = 1
+SIZE = 256
+NO_LIMIT = -1
+PREFIX = "kvcached."
+
+_HEAD = struct.Struct("=8sII")  # magic, version, size: written once, before publication
+# int64 word indices
+_PID, _CREATED, _SEQ, _USED, _RESERVED, _CAPACITY, _UPDATED, _LIMIT, _GEN = range(2, 11)
+_OFF_NS, _OFF_POOL, _NAME = 96, 160, 64
+_STUCK_S = 0.05  # a seqlock held longer than this belongs to a dead writer
+
+
+def shm_dir() -> Path:
+    """Where segments live: ``$KVCACHED_SHM_DIR``, ``/dev/shm``, or the IPC base directory."""
+    explicit = os.environ.get("KVCACHED_SHM_DIR", "").strip()
+    if explicit:
+        return paths.private_dir(os.path.abspath(explicit))
+    if os.path.isdir("/dev/shm"):
+        return Path("/dev/shm")
+    return paths.base_dir()
+
+
+def segment_path(namespace: str, pool: str, directory: str | os.PathLike[str] | None = None) -> Path:
+    """The file of pool ``pool`` in namespace ``namespace``."""
+    paths.check_name(namespace, "IPC namespace")
+    paths.check_name(pool, "pool name")
+    root = Path(directory) if directory is not None else shm_dir()
+    return root / f"{PREFIX}{namespace}.{pool}"
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """One reading of a pool's segment."""
+
+    namespace: str
+    pool: str
+    pid: int
+    limit: int
+    limit_gen: int
+    used: int
+    reserved: int
+    capacity: int
+    created_ns: int
+    updated_ns: int
+    path: str
+    alive: bool
+
+    @property
+    def has_limit(self) -> bool:
+        """Whether a limit is set (``limit != NO_LIMIT``)."""
+        return self.limit != NO_LIMIT
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _name(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+class PoolView:
+    """An open segment: read it, or set its limit. Use :func:`open_pool` to get one.
+
+    Raises:
+        IPCError: the file is not a kvcached segment (too small, bad magic or
+            version), is a link, or belongs to another user.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise IPCError(f"cannot open segment {self.path}: {exc.strerror or exc}") from exc
+        try:
+            self._attach(fd, check=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def _attach(self, fd: int, check: bool) -> None:
+        if check:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.getuid(), 0):
+                raise IPCError(f"{self.path} is not a regular file of this user")
+            if st.st_size < SIZE:
+                raise IPCError(f"{self.path} is {st.st_size} bytes, not a kvcached segment")
+        mm = mmap.mmap(fd, SIZE)
+        if check:
+            magic, version, _size = _HEAD.unpack_from(mm)
+            if magic != MAGIC or version != VERSION:
+                mm.close()
+                raise IPCError(
+                    f"{self.path} is not a kvcached pool segment of version {VERSION} "
+                    f"(magic {magic!r}, version {version})"
+                )
+        self._mm = mm
+        self._w = memoryview(mm).cast("q")  # int64 words: one 8-byte copy per access
+
+    def read(self) -> PoolStats:
+        """A consistent snapshot of the segment."""
+        w = self._w
+        give_up = 0.0
+        while True:
+            s1 = w[_SEQ]
+            stats = w[_USED:_UPDATED + 1].tolist()
+            if not s1 & 1 and w[_SEQ] == s1:
+                break
+            now = time.monotonic()
+            if not give_up:
+                give_up = now + _STUCK_S
+            elif now > give_up:  # the owner died mid-update; each word is still whole
+                break
+            time.sleep(0)  # let the writer finish
+        used, reserved, capacity, updated = stats
+        mm = self._mm
+        return PoolStats(
+            namespace=_name(mm[_OFF_NS:_OFF_NS + _NAME]),
+            pool=_name(mm[_OFF_POOL:_OFF_POOL + _NAME]),
+            pid=w[_PID],
+            limit=w[_LIMIT],
+            limit_gen=w[_GEN],
+            used=used,
+            reserved=reserved,
+            capacity=capacity,
+            created_ns=w[_CREATED],
+            updated_ns=updated,
+            path=os.fspath(self.path),
+            alive=_pid_alive(w[_PID]),
+        )
+
+    @property
+    def limit(self) -> int:
+        """The current limit in bytes, or :data:`NO_LIMIT`."""
+        return self._w[_LIMIT]
+
+    def set_limit(self, limit: int) -> None:
+        """Set the pool's limit (bytes, or :data:`NO_LIMIT`); the owner picks it up.
+
+        Raises:
+            ValueError: ``limit`` is negative (other than :data:`NO_LIMIT`).
+        """
+        if limit < 0 and limit != NO_LIMIT:
+            raise ValueError(f"limit {limit} is negative; use NO_LIMIT (-1) to lift the limit")
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            self._w[_LIMIT] = limit
+            self._w[_GEN] += 1
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Unmap and close (idempotent)."""
+        if self._fd >= 0:
+            self._w.release()
+            self._mm.close()
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> PoolView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unlink_if_owner(path: Path, pid: int, inode: int) -> None:
+    if os.getpid() != pid:  # a forked child never removes its parent's segment
+        return
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+class PoolSegment(PoolView):
+    """The owner's side of a pool segment: created here, unlinked on :meth:`close`.
+
+    Use :meth:`create`. :meth:`update` costs no system call (a few µs), so an
+    allocator can call it on every page it allocates or frees.
+    """
+
+    _seq: int
+
+    @classmethod
+    def create(
+        cls,
+        namespace: str,
+        pool: str,
+        *,
+        capacity: int = 0,
+        limit: int = NO_LIMIT,
+        directory: str | os.PathLike[str] | None = None,
+    ) -> PoolSegment:
+        """Create the segment of ``(namespace, pool)``.
+
+        A segment left behind by a dead owner is replaced.
+
+        Raises:
+            IPCError: a live process already owns this pool, or the file cannot
+                be created.
+            KVCachedConfigError: the namespace or pool name is invalid.
+        """
+        path = segment_path(namespace, pool, directory)
+        fd = cls._create_file(path)
+        self = cls.__new__(cls)
+        self.path = path
+        self._fd = fd
+        try:
+            os.ftruncate(fd, SIZE)
+            self._attach(fd, check=False)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise IPCError(f"cannot size segment {path}: {exc.strerror or exc}") from exc
+        now = time.time_ns()
+        pid = os.getpid()
+        mm, w = self._mm, self._w
+        mm[_OFF_NS:_OFF_NS + _NAME] = namespace.encode().ljust(_NAME, b"\0")
+        mm[_OFF_POOL:_OFF_POOL + _NAME] = pool.encode().ljust(_NAME, b"\0")
+        w[_PID], w[_CREATED] = pid, now
+        w[_CAPACITY], w[_UPDATED], w[_LIMIT] = capacity, now, limit
+        _HEAD.pack_into(mm, 0, b"\0" * 8, VERSION, SIZE)
+        mm[0:8] = MAGIC  # published last: readers skip the file until now
+        self._seq = 0
+        self._seen_gen = 0
+        self._stats = [0, 0, capacity]
+        self._finalizer = weakref.finalize(self, _unlink_if_owner, path, pid,
+                                           os.fstat(fd).st_ino)
+        return self
+
+    @staticmethod
+    def _create_file(path: Path) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(2):
+            try:
+                return os.open(path, flags, 0o600)
+            except FileExistsError:
+                try:
+                    with PoolView(path) as old:
+                        stats = old.read()
+                except IPCError:
+                    stats = None
+                if stats is not None and stats.alive:
+                    raise IPCError(
+                        f"pool {stats.pool!r} of namespace {stats.namespace!r} is already owned "
+                        f"by the live process {stats.pid} ({path})"
+                    ) from None
+                if stats is None and os.stat(path).st_uid != os.getuid():
+                    raise IPCError(f"{path} exists and belongs to another user") from None
+                os.unlink(path)  # stale, or garbage under our name
+            except OSError as exc:
+                raise IPCError(f"cannot create segment {path}: {exc.strerror or exc}") from exc
+        raise IPCError(f"cannot create segment {path}: it keeps reappearing")
+
+    def update(
+        self, *, used: int | None = None, reserved: int | None = None, capacity: int | None = None
+    ) -> None:
+        """Publish new byte counts (fields left ``None`` keep their value).
+
+        Not thread-safe: call it from one thread, or under the allocator's lock.
+        """
+        stats = self._stats
+        if used is not None:
+            stats[0] = used
+        if reserved is not None:
+            stats[1] = reserved
+        if capacity is not None:
+            stats[2] = capacity
+        w = self._w
+        seq = self._seq + 1
+        w[_SEQ] = seq  # odd: writing
+        w[_USED], w[_RESERVED], w[_CAPACITY] = stats
+        w[_UPDATED] = time.time_ns()
+        self._seq = seq + 1
+        w[_SEQ] = seq + 1  # even: published
+
+    def poll_limit(self) -> int | None:
+        """The limit if ``kvctl`` wrote one since the last poll, else ``None``.
+
+        Writing the same value again counts as a new limit, so "set the limit
+        back to where it was" is never missed.
+        """
+        gen = self._w[_GEN]
+        if gen == self._seen_gen:
+            return None
+        self._seen_gen = gen
+        return self.limit
+
+    def close(self, unlink: bool = True) -> None:
+        """Unmap the segment and (by default, and only in the creating process) unlink it."""
+        if unlink:
+            self._finalizer()
+        else:
+            self._finalizer.detach()
+        super().close()
+
+
+def list_pools(
+    namespace: str | None = None, directory: str | os.PathLike[str] | None = None
+) -> list[PoolStats]:
+    """Every readable pool segment (of one namespace if given), sorted by name.
+
+    Files that are not kvcached segments, belong to other users or vanish
+    while being read are skipped.
+    """
+    root = Path(directory) if directory is not None else shm_dir()
+    prefix = PREFIX if namespace is None else f"{PREFIX}{paths.check_name(namespace)}."
+    found: list[PoolStats] = []
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return found
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        try:
+            with PoolView(root / name) as view:
+                stats = view.read()
+        except IPCError:
+            continue
+        if namespace is None or stats.namespace == namespace:
+            found.append(stats)
+    return found
+
+
+def open_pool(
+    namespace: str, pool: str, directory: str | os.PathLike[str] | None = None
+) -> PoolView:
+    """Open an existing pool's segment (raises :class:`IPCError` if there is none)."""
+    return PoolView(segment_path(namespace, pool, directory))
+
+
+def set_limit(
+    namespace: str, pool: str, limit: int, directory: str | os.PathLike[str] | None = None
+) -> PoolStats:
+    """Set a pool's limit in bytes (:data:`NO_LIMIT` lifts it); returns the new reading."""
+    with open_pool(namespace, pool, directory) as view:
+        view.set_limit(limit)
+        return view.read()
+
+
+def remove_stale(directory: str | os.PathLike[str] | None = None) -> list[str]:
+    """Unlink the segments whose owner process is gone; returns their paths."""
+    removed = []
+    for stats in list_pools(directory=directory):
+        if stats.alive:
+            continue
+        try:
+            with PoolView(stats.path) as view:  # not replaced by a new owner meanwhile?
+                if view.read().pid != stats.pid:
+                    continue
+            os.unlink(stats.path)
+            removed.append(stats.path)
+        except (IPCError, OSError):
+            pass
+    return removed
