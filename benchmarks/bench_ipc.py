@@ -21,19 +21,16 @@ go to benchmarks/results/ipc-host.json with the command line.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+from _timing import map_unmap_pair, median_ratio, run_info, summary, timed, write_result
 from kvcached_core.ipc import WorkerGroup, WorkerListener
 from kvcached_core.ipc.paths import socket_path
 from kvcached_core.ipc.worker import MapperHandler
@@ -49,37 +46,6 @@ def worker_main(path: str, rank: int, page_size: int, pages: int, ready) -> None
         ready.set()
         while True:
             time.sleep(3600)
-
-
-def timed(fn: Callable[[int], None], n: int, offset: int = 0) -> list[float]:
-    """Microseconds of ``fn(i)`` for ``n`` calls."""
-    out = []
-    for i in range(offset, offset + n):
-        t0 = time.perf_counter_ns()
-        fn(i)
-        out.append((time.perf_counter_ns() - t0) / 1e3)
-    return out
-
-
-def summary(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    q = statistics.quantiles(xs, n=100)
-    return {"median_us": round(statistics.median(xs), 1), "p90_us": round(q[89], 1),
-            "p99_us": round(q[98], 1), "mean_us": round(statistics.fmean(xs), 1), "n": len(xs)}
-
-
-def map_unmap_pair(map_one: Callable[[int], None], unmap_one: Callable[[int], None],
-                   pages: int, n: int, into: dict[str, list[float]], tag: str) -> None:
-    """Time ``n`` one-page maps and their unmaps, cycling over ``pages`` pages."""
-    for i in range(n):
-        p = i % pages
-        t0 = time.perf_counter_ns()
-        map_one(p)
-        t1 = time.perf_counter_ns()
-        unmap_one(p)
-        t2 = time.perf_counter_ns()
-        into[f"map_{tag}"].append((t1 - t0) / 1e3)
-        into[f"unmap_{tag}"].append((t2 - t1) / 1e3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,28 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             proc.join(10)
         shutil.rmtree(base, ignore_errors=True)
 
-    result = {
-        "benchmark": "ipc",
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "backend": "host",
-        "page_bytes": page_size,
-        "workers": 2,
-        "cpus": len(os.sched_getaffinity(0)),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "latency": {k: summary(v) for k, v in samples.items()},
-    }
-    lat = result["latency"]
-    result["tp2_over_tp1_map"] = round(lat["map_tp2"]["median_us"] / lat["map_tp1"]["median_us"], 3)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'one-page call':<14}{'median us':>10}{'p90 us':>9}{'p99 us':>9}")
-    for key, r in lat.items():
-        print(f"{key:<14}{r['median_us']:>10}{r['p90_us']:>9}{r['p99_us']:>9}")
+    lat = {k: summary(v) for k, v in samples.items()}
+    result = {**run_info("ipc", backend="host", page_bytes=page_size, workers=2), "latency": lat,
+              "tp2_over_tp1_map": median_ratio(lat, "map_tp2", "map_tp1")}
+    write_result(args.out, result, "one-page call")
     print(f"TP=2 / TP=1 map median: {result['tp2_over_tp1_map']}")
-    print(f"wrote {out}")
     return 0
 
 

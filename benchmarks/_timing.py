@@ -1,0 +1,92 @@
+"""Timing and reporting helpers shared by the IPC benchmarks.
+
+Imported by the benchmark scripts as ``_timing`` (their own directory is on
+``sys.path`` when they run as ``python benchmarks/<name>.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["command_line", "map_unmap_pair", "median_ratio", "print_table", "run_info", "summary",
+           "timed", "write_result"]
+
+
+def timed(fn: Callable[[int], None], n: int, offset: int = 0) -> list[float]:
+    """Microseconds of ``fn(i)`` for ``n`` calls, ``i`` counting from ``offset``."""
+    out = []
+    for i in range(offset, offset + n):
+        t0 = time.perf_counter_ns()
+        fn(i)
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    return out
+
+
+def summary(xs: Sequence[float], per: int = 1) -> dict[str, float]:
+    """Median, p90, p99 and mean of ``xs`` (microseconds), each divided by ``per``."""
+    xs = sorted(x / per for x in xs)
+    q = statistics.quantiles(xs, n=100)
+    return {"median_us": round(statistics.median(xs), 1), "p90_us": round(q[89], 1),
+            "p99_us": round(q[98], 1), "mean_us": round(statistics.fmean(xs), 1), "n": len(xs)}
+
+
+def map_unmap_pair(map_one: Callable[[int], None], unmap_one: Callable[[int], None],
+                   pages: int, n: int, into: dict[str, list[float]], tag: str) -> None:
+    """Time ``n`` maps and their unmaps, cycling ``i % pages`` as the argument.
+
+    The microseconds go to ``into["map_<tag>"]`` and ``into["unmap_<tag>"]``.
+    """
+    for i in range(n):
+        p = i % pages
+        t0 = time.perf_counter_ns()
+        map_one(p)
+        t1 = time.perf_counter_ns()
+        unmap_one(p)
+        t2 = time.perf_counter_ns()
+        into[f"map_{tag}"].append((t1 - t0) / 1e3)
+        into[f"unmap_{tag}"].append((t2 - t1) / 1e3)
+
+
+def command_line() -> str:
+    """How this benchmark was started, for the results file."""
+    return "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+
+
+def run_info(benchmark: str, **fields: Any) -> dict[str, Any]:
+    """The head of a results file: benchmark name, command line, ``fields``, then the machine."""
+    return {"benchmark": benchmark, "command": command_line(), **fields,
+            "cpus": len(os.sched_getaffinity(0)), "host": platform.node(),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+
+
+def median_ratio(latency: dict[str, dict[str, float]], num: str, den: str) -> float:
+    """``latency[num]`` over ``latency[den]``, by median, to three decimals."""
+    return round(latency[num]["median_us"] / latency[den]["median_us"], 3)
+
+
+def print_table(latency: dict[str, dict[str, float]], title: str) -> None:
+    """Print median, p90 and p99 of each :func:`summary` in ``latency``."""
+    print(f"{title:<18}{'median us':>10}{'p90 us':>9}{'p99 us':>9}")
+    for key, r in latency.items():
+        print(f"{key:<18}{r['median_us']:>10}{r['p90_us']:>9}{r['p99_us']:>9}")
+
+
+def write_result(out: str | Path, result: dict[str, Any], title: str) -> Path:
+    """Write ``result`` as indented JSON to ``out`` (parents created), print its table.
+
+    The table (headed ``title``) is of ``result["latency"]``; returns the path written.
+    """
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result["latency"], title)
+    print(f"wrote {path}")
+    return path
