@@ -147,4 +147,22 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("backend"), py::arg("device"), py::arg("page_size"), py::arg("pages"),
       "Per-call microseconds of the backend's raw VMM calls (benchmark baseline).");
+
+  m.def(
+      "time_mapper_calls",
+      [](PageMapper& mapper, std::size_t pages) {
+        MapperTimings t;
+        {
+          py::gil_scoped_release release;
+          t = time_mapper_calls(mapper, pages);
+        }
+        py::dict out;
+        out["cold_map_us"] = t.cold_map_us;
+        out["unmap_us"] = t.unmap_us;
+        out["recycled_map_us"] = t.recycled_map_us;
+        out["unmap_release_us"] = t.unmap_release_us;
+        return out;
+      },
+      py::arg("mapper"), py::arg("pages"),
+      "Per-call microseconds of the page mapper's own map/unmap, timed in C++.");
 }

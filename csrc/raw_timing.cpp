@@ -46,4 +46,23 @@ RawTimings time_raw_driver_calls(const std::string& backend, int device,
   return out;
 }
 
+MapperTimings time_mapper_calls(PageMapper& mapper, std::size_t pages) {
+  MapperTimings out;
+  auto vt = mapper.reserve(pages * mapper.page_size());
+  std::vector<std::shared_ptr<VirtualTensor>> tensors{vt};
+  auto each_page = [&](std::vector<double>& into, auto&& call) {
+    for (std::size_t i = 0; i < pages; ++i) {
+      std::vector<std::int64_t> page{static_cast<std::int64_t>(i)};
+      into.push_back(time_us([&] { call(page); }));
+    }
+  };
+  mapper.synchronize();
+  each_page(out.cold_map_us, [&](const auto& p) { mapper.map(tensors, p); });
+  each_page(out.unmap_us, [&](const auto& p) { mapper.unmap(tensors, p, false); });
+  each_page(out.recycled_map_us, [&](const auto& p) { mapper.map(tensors, p); });
+  mapper.set_pool_limit(0);
+  each_page(out.unmap_release_us, [&](const auto& p) { mapper.unmap(tensors, p, false); });
+  return out;
+}
+
 }  // namespace kvcached
