@@ -9,6 +9,10 @@ Subcommands:
 * ``doctor [--json] [--import-engines]``: installed plugins, engine versions
   and the patches that would apply; exit status 0 when no problem was found,
   1 otherwise.
+* ``list [--json]``: every live KV pool on this machine (namespace, pool,
+  limit, used and reserved bytes), from the pools' shared-memory segments.
+* ``limit NAMESPACE POOL SIZE``: set a pool's memory limit (``2G``, ``512M``,
+  or ``none``); the pool's owner applies it as a deferred shrink.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ["add_doctor_command", "build_parser", "main", "render_doctor"]
+__all__ = [
+    "add_doctor_command",
+    "add_limit_command",
+    "add_list_command",
+    "build_parser",
+    "main",
+    "render_doctor",
+]
 
 
 def _yes_no(value: bool | None) -> str:
@@ -111,11 +122,74 @@ def add_doctor_command(subparsers: Any) -> None:
     parser.set_defaults(func=_run_doctor)
 
 
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.1f} MiB"
+
+
+def _run_list(args: argparse.Namespace) -> int:
+    from kvcached_core.ipc.shm import list_pools
+
+    pools = list_pools()
+    if args.json:
+        json.dump({"schema": "kvcached.pools/1", "pools": [
+            {"namespace": p.namespace, "pool": p.pool, "pid": p.pid, "alive": p.alive,
+             "limit": p.limit if p.has_limit else None, "used": p.used,
+             "reserved": p.reserved, "capacity": p.capacity} for p in pools]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if not pools:
+        print("no kvcached pools on this machine")
+        return 0
+    print(f"{'namespace':<28}{'pool':<12}{'pid':>8}{'limit':>14}{'used':>14}{'reserved':>14}")
+    for p in pools:
+        limit = _mib(p.limit) if p.has_limit else "none"
+        pid = str(p.pid) if p.alive else f"{p.pid}(gone)"
+        print(f"{p.namespace:<28}{p.pool:<12}{pid:>8}{limit:>14}{_mib(p.used):>14}{_mib(p.reserved):>14}")
+    return 0
+
+
+def add_list_command(subparsers: Any) -> None:
+    """Add ``kvctl list`` to ``subparsers``."""
+    parser = subparsers.add_parser("list", help="list the live KV pools on this machine")
+    parser.add_argument("--json", action="store_true", help="print the pools as JSON")
+    parser.set_defaults(func=_run_list)
+
+
+def _run_limit(args: argparse.Namespace) -> int:
+    from kvcached_core.config import parse_size
+    from kvcached_core.errors import KVCachedError
+    from kvcached_core.ipc.shm import NO_LIMIT, set_limit
+
+    try:
+        limit = NO_LIMIT if args.size.lower() == "none" else parse_size(args.size, "SIZE")
+        stats = set_limit(args.namespace, args.pool, limit)
+    except KVCachedError as err:
+        print(f"kvctl limit: {err}", file=sys.stderr)
+        return 2
+    shown = _mib(stats.limit) if stats.has_limit else "none"
+    print(f"{stats.namespace} {stats.pool}: limit {shown} (used {_mib(stats.used)})")
+    return 0
+
+
+def add_limit_command(subparsers: Any) -> None:
+    """Add ``kvctl limit`` to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "limit", help="set a KV pool's memory limit",
+        description="Set the memory limit of one KV pool (see kvctl list). Below what the "
+        "pool uses, the pool stops growing and shrinks as requests finish.")
+    parser.add_argument("namespace", help="the pool's namespace, as kvctl list shows it")
+    parser.add_argument("pool", help="the pool's name, as kvctl list shows it")
+    parser.add_argument("size", help="bytes, e.g. 2G, 512M, 1048576, or none")
+    parser.set_defaults(func=_run_limit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvctl`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="kvctl", description="Inspect and control kvcached.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_doctor_command(subparsers)
+    add_list_command(subparsers)
+    add_limit_command(subparsers)
     return parser
 
 
