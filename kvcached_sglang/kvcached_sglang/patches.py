@@ -1,0 +1,222 @@
+"""kvcached's SGLang patch set, gated by SGLang release.
+
+Every patch changes a class attribute that SGLang looks up at call time, never a
+module-level name: in SGLang >= 0.5.11 the scheduler process loads plugins after
+its memory-pool modules were imported, and ``from X import Y`` copies (for
+example ``allocator.swa`` from 0.5.13) share the class object, so a changed
+method reaches every user.
+
+=========================  =================================================  ==================
+what                       target                                             releases
+=========================  =================================================  ==================
+MHA buffers on kvcached    ``memory_pool:MHATokenToKVPool._create_buffers``   0.4.9 - 0.5.15
+                           ``..._create_buffers_normal`` (dispatcher split)   0.5.16 - 0.5.23
+token allocator (page 1)   ``mem_cache.allocator:TokenToKVPoolAllocator.*``   0.4.9 - 0.5.12
+                           ``mem_cache.allocator.token:...`` (a package)      0.5.13 - 0.5.23
+idle leak check, layout A  ``managers.scheduler:Scheduler.check_memory``      0.4.9 - 0.5.3
+layout B                   ``scheduler_runtime_checker_mixin:``
+                           ``SchedulerRuntimeCheckerMixin.check_memory``      0.5.4 - 0.5.10
+layout C                   ``...Mixin.on_idle`` (``_report_leak`` split)      0.5.11 - 0.5.12
+layout D                   ``managers.scheduler:Scheduler.on_idle`` driving
+                           ``SchedulerInvariantChecker``                      0.5.13 - 0.5.23
+opt-in busy checks         ``self_check_during_busy`` (mixin / checker)       0.5.6 - 0.5.23
+=========================  =================================================  ==================
+
+The leak-check patches run SGLang's own check inside kvcached's leak-check view
+(:mod:`kvcached_sglang.leakcheck`): the KV identity sees logical counts, the
+request-to-token pool check, idle metrics and KV events stay as SGLang wrote
+them. Before wrapping, each patch verifies that the method it wraps still
+contains what the gate expects (for example that ``check_memory`` still holds the
+request-pool check); a surprise fails the patch, which rolls the whole set back
+with the class and release named.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvcached_core.errors import PatchError
+from kvcached_core.plugins import Patch
+
+__all__ = ["LEAK_CHECK_LAYOUTS", "build_patches", "leak_check_layout"]
+
+_SCHED = "sglang.srt.managers.scheduler"
+_MIXIN = "sglang.srt.managers.scheduler_runtime_checker_mixin"
+_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker"
+_POOL = "sglang.srt.mem_cache.memory_pool"
+
+#: layout -> (specifier, target of the idle check entry, what it must still contain)
+LEAK_CHECK_LAYOUTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "A": (">=0.4.9.dev0,<0.5.4.dev0", f"{_SCHED}:Scheduler.check_memory",
+          ("memory leak detected", "req_to_token_pool")),
+    "B": (">=0.5.4.dev0,<0.5.11.dev0", f"{_MIXIN}:SchedulerRuntimeCheckerMixin.check_memory",
+          ("memory leak detected", "_check_req_pool")),
+    "C": (">=0.5.11.dev0,<0.5.13.dev0", f"{_MIXIN}:SchedulerRuntimeCheckerMixin.on_idle",
+          ("_check_all_pools", "_report_leak", "_check_req_pool")),
+    "D": (">=0.5.13.dev0,<0.5.24.dev0", f"{_SCHED}:Scheduler.on_idle",
+          ("invariant_checker._check_all_pools", "_report_leak", "_check_req_pool")),
+}
+
+_BUSY_CHECKS: tuple[tuple[str, str], ...] = (
+    (">=0.5.6.dev0,<0.5.13.dev0", f"{_MIXIN}:SchedulerRuntimeCheckerMixin.self_check_during_busy"),
+    (">=0.5.13.dev0,<0.5.24.dev0", f"{_CHECKER}:SchedulerInvariantChecker.self_check_during_busy"),
+)
+
+_MHA_PARAMS = ("size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device")
+_ALLOC_PARAMS = {"__init__": ("size", "dtype", "device", "kvcache"), "alloc": ("need_size",),
+                 "free": ("free_index",), "available_size": (), "clear": ()}
+
+
+def leak_check_layout(version: Any) -> str | None:
+    """``"A"``..``"D"``: where this SGLang release keeps its idle leak check (None: unknown)."""
+    from kvcached_core.plugins import version_matches
+
+    for layout, (spec, _target, _needles) in LEAK_CHECK_LAYOUTS.items():
+        if version_matches(spec, version):
+            return layout
+    return None
+
+
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _owner(fn: Any) -> str:
+    return getattr(fn, "__qualname__", repr(fn))
+
+
+def _expect_source(version: Any, needles: Iterable[str]) -> Callable[[Callable], None]:
+    def check(original: Callable) -> None:
+        src = _source(original)
+        missing = [n for n in needles if n not in src]
+        if src and missing:
+            raise PatchError(
+                f"SGLang {version}: {_owner(original)} no longer contains {missing}; the "
+                "leak-check gate did not foresee this layout"
+            )
+    return check
+
+
+def _expect_params(version: Any, cls_name: str, method: str,
+                   names: Iterable[str]) -> Callable[[Any], None]:
+    def check(owner_module: Any) -> None:
+        cls = getattr(owner_module, cls_name)
+        fn = getattr(cls, method)
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return
+        has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        missing = [n for n in names if n not in params and not has_var_kw]
+        if missing:
+            raise PatchError(
+                f"SGLang {version}: {cls_name}.{method}{inspect.signature(fn)} lacks "
+                f"parameters {missing} that the kvcached gate expects"
+            )
+    return check
+
+
+def _module_of(fn: Any) -> Any:
+    import sys
+
+    return sys.modules[fn.__module__]
+
+
+def _leak_wrapper(version: Any, needles: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    from kvcached_sglang.leakcheck import with_leak_check_view
+
+    check = _expect_source(version, needles)
+
+    def wrap(original: Callable) -> Callable:
+        check(original)
+        return with_leak_check_view(original)
+
+    return wrap
+
+
+def _busy_wrapper(original: Callable) -> Callable:
+    from kvcached_sglang.leakcheck import with_leak_check_view
+
+    return with_leak_check_view(original)
+
+
+def _pool_wrapper(version: Any, finish: bool) -> Callable[[Callable], Callable]:
+    from kvcached_sglang.pool import make_create_buffers
+
+    def wrap(original: Callable) -> Callable:
+        module = _module_of(original)
+        _expect_params(version, "MHATokenToKVPool", "__init__", _MHA_PARAMS)(module)
+        return make_create_buffers(original, finish=finish)
+
+    return wrap
+
+
+def _allocator_wrapper(version: Any, name: str) -> Callable[[Callable], Callable]:
+    from kvcached_sglang.pool import elastic_allocator_method
+
+    def wrap(original: Callable) -> Callable:
+        _expect_params(version, "TokenToKVPoolAllocator", name, _ALLOC_PARAMS[name])(
+            _alloc_module(original)
+        )
+        if name == "alloc":
+            _expect_params(version, "TokenToKVPoolAllocator", "__init__",
+                           _ALLOC_PARAMS["__init__"])(_alloc_module(original))
+        return elastic_allocator_method(name, original)
+
+    return wrap
+
+
+def _alloc_module(original: Callable) -> Any:
+    """The module that defines ``TokenToKVPoolAllocator`` (the method may be inherited)."""
+    import sys
+
+    for name in ("sglang.srt.mem_cache.allocator.token", "sglang.srt.mem_cache.allocator"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "TokenToKVPoolAllocator"):
+            return mod
+    return _module_of(original)
+
+
+def build_patches(version: Any) -> list[Patch]:
+    """Every patch of the SGLang adapter; each carries its own release gate."""
+    patches: list[Patch] = []
+
+    # Elastic MHA buffers (page size 1 for now; other layouts keep SGLang's buffers).
+    patches.append(Patch(
+        f"{_POOL}:MHATokenToKVPool._create_buffers", versions=">=0.4.9.dev0,<0.5.16.dev0",
+        wrapper=_pool_wrapper(version, finish=True), name="elastic-mha-buffers",
+        description="MHA K/V buffers are kvcached virtual tensors backed on demand"))
+    patches.append(Patch(
+        f"{_POOL}:MHATokenToKVPool._create_buffers_normal", versions=">=0.5.16.dev0,<0.5.24.dev0",
+        wrapper=_pool_wrapper(version, finish=False), name="elastic-mha-buffers-normal",
+        description="MHA K/V buffers (0.5.16 dispatcher split) on kvcached"))
+
+    # Token allocator, page size 1.
+    from kvcached_sglang.pool import ALLOCATOR_METHODS
+
+    for spec, module in ((">=0.4.9.dev0,<0.5.13.dev0", "sglang.srt.mem_cache.allocator"),
+                         (">=0.5.13.dev0,<0.5.24.dev0", "sglang.srt.mem_cache.allocator.token")):
+        for meth in ALLOCATOR_METHODS:
+            patches.append(Patch(
+                f"{module}:TokenToKVPoolAllocator.{meth}", versions=spec,
+                wrapper=_allocator_wrapper(version, meth),
+                name=f"elastic-token-allocator-{meth}" + ("-pkg" if module.endswith("token") else ""),
+                description="token slots drawn from kvcached blocks"))
+
+    # Idle leak check: SGLang's own check in the leak-check view.
+    for layout, (spec, target, needles) in LEAK_CHECK_LAYOUTS.items():
+        patches.append(Patch(
+            target, versions=spec, wrapper=_leak_wrapper(version, needles),
+            name=f"leak-check-{layout}",
+            description=f"idle leak check (layout {layout}) sees logical KV counts; "
+                        "the request-slot check stays live"))
+    for i, (spec, target) in enumerate(_BUSY_CHECKS):
+        patches.append(Patch(
+            target, versions=spec, wrapper=_busy_wrapper, name=f"busy-check-{i}",
+            required=False, description="opt-in busy leak check sees logical KV counts"))
+    return patches

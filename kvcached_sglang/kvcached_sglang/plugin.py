@@ -1,0 +1,34 @@
+"""kvcached plugin (group ``kvcached.engines``): the SGLang engine adapter record.
+
+Importing this module is cheap: it imports neither SGLang nor torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcached_core import hookimpl
+from kvcached_core.plugins import EngineAdapter
+
+from kvcached_sglang import SUPPORTED_VERSIONS
+
+__all__ = ["kvcached_engine_adapters"]
+
+
+def _patch_sets(version: Any):
+    from kvcached_sglang.patches import build_patches
+
+    return build_patches(version)
+
+
+@hookimpl
+def kvcached_engine_adapters() -> EngineAdapter:
+    """The SGLang adapter: elastic KV pools and allocators, idle leak-check compat."""
+    return EngineAdapter(
+        name="sglang",
+        distributions=("sglang",),
+        module="sglang",
+        versions=SUPPORTED_VERSIONS,
+        patch_sets=_patch_sets,
+        description="elastic KV cache for SGLang (KV pools, token allocators, leak check)",
+    )

@@ -1,0 +1,346 @@
+"""Elastic SGLang KV pools and token allocators backed by kvcached.
+
+A pool (``MHATokenToKVPool``) keeps its class and its API; only where its K/V
+buffers come from changes. The patched buffer factory reserves the buffers as
+kvcached virtual tensors (one per layer and K/V, ``(size + page_size, H, D)``
+rows as SGLang expects) and records an :class:`ElasticKV` on the pool as
+``pool._kvcached``. The token allocators' patched methods look that record up
+through their ``_kvcache`` and draw slots from its
+:class:`~kvcached_core.allocator.KVBlockManager`; a pool without the record
+(a layout or subclass kvcached does not back) keeps SGLang's own allocator
+behaviour, so one process can hold both.
+
+Slot geometry: a kvcached *block* is one SGLang page of ``page_size`` token
+rows; block ``b`` holds token slots ``b*page_size .. (b+1)*page_size - 1``. Block
+0 is kvcached's null block, which is exactly SGLang's padded slot 0 (page 0),
+never handed out. With ``page_size == 1`` blocks are token slots.
+
+Counts: ``available_size()`` is the smaller of the *logical* free count
+(``size - allocated``, what a static pool would report) and what kvcached can
+back now (memory limit, device memory). Inside SGLang's leak check
+(:mod:`kvcached_sglang.leakcheck`) it is the logical count alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvcached_core.errors import KVCachedConfigError
+
+from kvcached_sglang.leakcheck import in_leak_check_view
+
+__all__ = [
+    "ElasticKV",
+    "elastic_of",
+    "ALLOCATOR_METHODS",
+    "elastic_allocator_method",
+    "make_create_buffers",
+]
+
+_log = logging.getLogger("kvcached")
+
+
+class ElasticKV:
+    """kvcached's stack behind one SGLang KV pool: virtual buffers, pages and blocks.
+
+    Args:
+        device: SGLang's device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+        size: Token slots SGLang sized the pool for (``max_total_num_tokens``).
+        page_size: SGLang's page size in tokens.
+        row_bytes: Bytes of one token in one layer buffer (``H * D * itemsize``).
+        num_layers: Layers in the pool.
+        num_buffers: 2 (K and V) or 1 (MLA latent).
+        name: For logs (``"mha"``, ``"mla"``).
+
+    Raises:
+        KVCachedConfigError: A page of tokens does not fit in a kvcached page
+            (the message names ``KVCACHED_PAGE_SIZE_MB``).
+    """
+
+    def __init__(
+        self,
+        device: Any,
+        *,
+        size: int,
+        page_size: int,
+        row_bytes: int,
+        num_layers: int,
+        num_buffers: int = 2,
+        name: str = "mha",
+    ) -> None:
+        from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
+        from kvcached_core.config import load_settings
+
+        settings = load_settings()
+        self.name = name
+        self.size = int(size)
+        self.page_size = int(page_size)
+        self.row_bytes = int(row_bytes)
+        self.rows = self.size + self.page_size
+        self.num_blocks = self.rows // self.page_size
+        block_bytes = self.page_size * self.row_bytes
+        layout = KVLayout.for_blocks(
+            self.num_blocks,
+            block_bytes,
+            num_layers=num_layers,
+            page_size=max(settings.page_size, 1),
+            num_buffers=num_buffers,
+            contiguous=False,  # SGLang indexes per-layer, contiguous (rows, H, D) buffers
+        )
+        self.kv = KVTensors.open(_kvcached_device(device), layout)
+        self.pages = PageAllocator(self.kv, settings=settings)
+        self.blocks = KVBlockManager(
+            self.pages, block_bytes, num_blocks=self.num_blocks, reserve_null_block=True
+        )
+        _log.info(
+            "kvcached: elastic SGLang %s pool: %d tokens (page %d) x %d layers x %d buffers, "
+            "%.1f MiB virtual, backed on demand in %d-byte pages",
+            name, self.size, self.page_size, num_layers, num_buffers,
+            layout.total_bytes / (1 << 20), layout.page_size,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<ElasticKV {self.name} size={self.size} page_size={self.page_size} "
+            f"used={self.used_tokens()} mapped_bytes={self.mapped_bytes()}>"
+        )
+
+    def view(self, layer: int, kind: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """Layer ``layer``'s buffer ``kind`` as a ``(rows, *shape)`` tensor (zero copy)."""
+        import math
+
+        flat = self.kv.buffer(layer, kind, dtype)
+        return flat[: self.rows * math.prod(shape)].view(self.rows, *shape)
+
+    # ---------------------------------------------------------------- counts
+
+    def used_blocks(self) -> int:
+        """Blocks handed out to SGLang (the null block excluded)."""
+        return self.blocks.num_allocated - (self.blocks.null_block is not None)
+
+    def used_tokens(self) -> int:
+        return self.used_blocks() * self.page_size
+
+    def logical_free_tokens(self) -> int:
+        """What a static pool of ``size`` slots would report free."""
+        return self.size - self.used_tokens()
+
+    def available_tokens(self) -> int:
+        """Free token slots SGLang may schedule on (see the module docstring)."""
+        logical = self.logical_free_tokens()
+        if in_leak_check_view():
+            return logical
+        return min(logical, self.blocks.available_size() * self.page_size)
+
+    def mapped_bytes(self) -> int:
+        """Physical bytes mapped for this pool now (in use plus kvcached's reserve)."""
+        return self.pages.stats().mapped_bytes
+
+    # ------------------------------------------------------------ alloc/free
+
+    def alloc_blocks(self, n: int) -> list[int] | None:
+        """``n`` block ids, or ``None`` when kvcached cannot back them now."""
+        if n <= 0:
+            return []
+        if n * self.page_size > self.logical_free_tokens():
+            return None
+        return self.blocks.alloc(n)
+
+    def free_blocks(self, ids: list[int]) -> None:
+        if ids:
+            self.blocks.free(ids)
+
+    def clear(self) -> None:
+        """Free every slot SGLang holds (SGLang's ``allocator.clear()``)."""
+        self.blocks.clear()
+
+    def close(self) -> None:
+        """Stop kvcached's background work for this pool (tests; SGLang never calls it)."""
+        self.pages.close()
+
+
+def _kvcached_device(device: Any) -> str:
+    text = str(device)
+    if text in ("cuda", "hip"):
+        import torch
+
+        return f"{text}:{torch.cuda.current_device()}"
+    return text
+
+
+def elastic_of(kvcache: Any) -> ElasticKV | None:
+    """The :class:`ElasticKV` behind an SGLang pool (or a hybrid wrapper's full pool)."""
+    state = getattr(kvcache, "_kvcached", None)
+    if state is None:
+        full = getattr(kvcache, "full_kv_pool", None)
+        state = getattr(full, "_kvcached", None)
+    return state
+
+
+# --------------------------------------------------------------------- pools
+
+
+def _nhd_eligible(pool: Any) -> str | None:
+    """Why kvcached leaves this MHA pool's buffers to SGLang, or ``None`` to back them."""
+    if getattr(pool, "use_hnd", False):
+        return "HND layout"
+    if getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+        return f"{pool.kv_cache_layout} layout"
+    if getattr(pool, "enable_custom_mem_pool", False):
+        return "custom memory pool"
+    if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
+        return "K and V head dims differ"
+    if pool.page_size != 1:
+        return "page size > 1 (the paged allocator is not elastic yet)"
+    return None
+
+
+def make_create_buffers(original: Callable[..., Any], *, finish: bool) -> Callable[..., Any]:
+    """The elastic replacement of ``MHATokenToKVPool._create_buffers`` (or ``_normal``).
+
+    Args:
+        original: SGLang's method, used for pools kvcached does not back.
+        finish: Also set the pointer/stride tables SGLang's ``_create_buffers``
+            sets after the buffers (releases before the 0.5.16 dispatcher).
+    """
+
+    @functools.wraps(original)
+    def _create_buffers(self: Any) -> None:
+        reason = _nhd_eligible(self)
+        if reason is not None:
+            _log.info("kvcached: %s keeps SGLang's own buffers (%s)", type(self).__name__, reason)
+            self._kvcached = None
+            return original(self)
+        import torch
+
+        dtype = getattr(self, "store_dtype", None) or self.dtype
+        item = torch.empty((), dtype=dtype).element_size()
+        state = ElasticKV(
+            self.device,
+            size=self.size,
+            page_size=self.page_size,
+            row_bytes=self.head_num * self.head_dim * item,
+            num_layers=self.layer_num,
+            num_buffers=2,
+            name="mha",
+        )
+        self._kvcached = state
+        shape = (self.head_num, self.head_dim)
+        self.k_buffer = [state.view(i, 0, dtype, shape) for i in range(self.layer_num)]
+        self.v_buffer = [state.view(i, 1, dtype, shape) for i in range(self.layer_num)]
+        if finish:
+            _finish_tables(self)
+
+    _create_buffers.__kvcached_elastic__ = True  # type: ignore[attr-defined]
+    return _create_buffers
+
+
+def _finish_tables(pool: Any) -> None:
+    """Pointer and stride tables SGLang (0.4.9-0.5.15) sets after creating buffers."""
+    import torch
+
+    buffers = pool.k_buffer + pool.v_buffer
+    pool.token_stride = pool.head_num * pool.head_dim
+    pool.k_data_ptrs = torch.tensor(
+        [x.data_ptr() for x in pool.k_buffer], dtype=torch.uint64, device=pool.device
+    )
+    pool.v_data_ptrs = torch.tensor(
+        [x.data_ptr() for x in pool.v_buffer], dtype=torch.uint64, device=pool.device
+    )
+    pool.data_ptrs = torch.cat([pool.k_data_ptrs, pool.v_data_ptrs], dim=0)
+    pool.data_strides = torch.tensor(
+        [x[0].numel() * x.element_size() for x in buffers], device=pool.device
+    )
+
+
+# ---------------------------------------------------------------- allocators
+
+
+def _slots(state: ElasticKV, blocks: list[int], device: Any) -> Any:
+    import torch
+
+    ids = torch.tensor(blocks, dtype=torch.int64)
+    if state.page_size > 1:
+        offs = torch.arange(state.page_size, dtype=torch.int64)
+        ids = (ids[:, None] * state.page_size + offs[None, :]).reshape(-1)
+    return ids.to(device)
+
+
+def _blocks_of(state: ElasticKV, slots: Any) -> list[int]:
+    import torch
+
+    flat = slots.reshape(-1).to("cpu", torch.int64)
+    if state.page_size > 1:
+        flat = torch.unique(flat // state.page_size)
+    return flat.tolist()
+
+
+#: Token-allocator methods kvcached replaces (page size 1).
+ALLOCATOR_METHODS = ("available_size", "alloc", "free", "clear")
+
+
+def elastic_allocator_method(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The elastic replacement of the token allocator's method ``name``.
+
+    Each replacement serves allocators whose pool kvcached backs and calls
+    SGLang's ``original`` for any other allocator.
+    """
+
+    def state_of(self: Any) -> ElasticKV | None:
+        return elastic_of(getattr(self, "_kvcache", None))
+
+    def available_size(self: Any) -> int:
+        state = state_of(self)
+        if state is None:
+            return original(self)
+        return state.available_tokens()
+
+    def alloc(self: Any, need_size: int) -> Any:
+        state = state_of(self)
+        if state is None:
+            return original(self, need_size)
+        if need_size % state.page_size:
+            raise KVCachedConfigError(
+                f"alloc({need_size}) is not a whole number of {state.page_size}-token pages"
+            )
+        blocks = state.alloc_blocks(need_size // state.page_size)
+        if blocks is None:
+            return None
+        return _slots(state, blocks, self.device)
+
+    def free(self: Any, free_index: Any) -> None:
+        state = state_of(self)
+        if state is None:
+            return original(self, free_index)
+        if free_index.numel() == 0:
+            return None
+        if getattr(self, "is_not_in_free_group", True):
+            state.free_blocks(_blocks_of(state, free_index))
+        else:
+            self.free_group.append(free_index)
+        return None
+
+    def clear(self: Any) -> None:
+        original(self)  # SGLang's own bookkeeping (free groups, counters)
+        state = state_of(self)
+        if state is not None:
+            import torch
+
+            state.clear()
+            empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+            self.free_pages = empty
+            self.release_pages = empty
+
+    made: dict[str, Callable[..., Any]] = {
+        "available_size": available_size,
+        "alloc": alloc,
+        "free": free,
+        "clear": clear,
+    }
+    fn = made[name]
+    functools.update_wrapper(fn, original)
+    fn.__kvcached_elastic__ = True  # type: ignore[attr-defined]
+    return fn

@@ -1,0 +1,384 @@
+"""Runs inside one SGLang release (a subprocess set up by conftest.py) and reports JSON.
+
+``_probe.py release <version>`` checks, against the real SGLang source:
+version detection, that kvcached's patch set applies completely and reverts
+exactly, that the patched pools and allocator run on the CPU host backend, and
+the idle leak check on the release's layout (consistent elastic pool passes, a
+request-slot leak and a genuine KV leak still fail). ``_probe.py gates`` checks
+bad input (out-of-range, unknown version) without SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import traceback
+from typing import Any
+from unittest import mock
+
+REPORT: dict[str, Any] = {}
+
+
+def section(name: str):
+    def deco(fn):
+        try:
+            REPORT[name] = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            REPORT[name] = {"error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc()[-3000:]}
+        return fn
+    return deco
+
+
+def resolve(target: str) -> tuple[Any, str, Any]:
+    import importlib
+
+    mod, _, qual = target.partition(":")
+    obj = importlib.import_module(mod)
+    *owners, attr = qual.split(".")
+    for part in owners:
+        obj = getattr(obj, part)
+    return obj, attr, obj.__dict__.get(attr, None) if isinstance(obj, type) else getattr(obj, attr)
+
+
+def call_filtered(fn, **kwargs):
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+# --------------------------------------------------------------------------- release
+
+
+def release(version: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"
+    from kvcached_core.plugins import bootstrap, detect_engine_version, teardown
+    from kvcached_sglang.patches import build_patches, leak_check_layout
+
+    import sglang
+
+    REPORT["sglang_version"] = sglang.__version__
+    det = detect_engine_version("sglang", "sglang", ("sglang",))
+    REPORT["detected"] = {"value": str(det.version), "source": det.source, "known": det.known}
+    layout = leak_check_layout(det.version)
+    REPORT["layout"] = layout
+
+    # Originals of every patch target that exists, before anything is patched.
+    before: dict[str, Any] = {}
+    for p in build_patches(det.version):
+        try:
+            owner, attr, own = resolve(p.target)
+            before[p.target] = (attr in getattr(owner, "__dict__", {}), own)
+        except Exception:
+            pass
+
+    res = bootstrap("sglang", strict=False)
+    ps = res.patch_set
+    REPORT["bootstrap"] = {"status": res.status, "reason": res.reason,
+                           "applied": list(ps.applied) if ps else [],
+                           "failed": [list(x) for x in ps.failed] if ps else []}
+
+    @section("pool")
+    def _pool():
+        return check_pool()
+
+    @section("leak")
+    def _leak():
+        return check_leak(layout)
+
+    @section("revert")
+    def _revert():
+        rev = teardown("sglang")
+        mismatched = []
+        for target, (was_own, original) in before.items():
+            owner, attr, own = resolve(target)
+            now_own = attr in owner.__dict__ if isinstance(owner, type) else True
+            if now_own != was_own or (was_own and own is not original):
+                mismatched.append(target)
+        return {"conflicts": [str(c) for c in rev.conflicts] if rev else None,
+                "restored": len(rev.restored) if rev else 0, "mismatched": mismatched}
+
+
+def make_pool(size: int):
+    import torch
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    pool = call_filtered(
+        mp.MHATokenToKVPool, size=size, page_size=1, dtype=torch.bfloat16, head_num=8,
+        head_dim=128, layer_num=2, device="cpu", enable_memory_saver=False, start_layer=None,
+        end_layer=None, enable_alt_stream=False, enable_kv_cache_copy=False)
+    return pool
+
+
+def allocator_cls():
+    try:
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    except ImportError:
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    return TokenToKVPoolAllocator
+
+
+def make_allocator(pool):
+    import torch
+
+    return call_filtered(allocator_cls(), size=pool.size, dtype=torch.bfloat16, device="cpu",
+                         kvcache=pool, need_sort=False)
+
+
+def check_pool() -> dict[str, Any]:
+    import torch
+
+    pool = make_pool(4096)
+    state = getattr(pool, "_kvcached", None)
+    out: dict[str, Any] = {"elastic": state is not None,
+                           "k_shape": list(pool.k_buffer[0].shape)}
+    if state is None:
+        return out
+    alloc = make_allocator(pool)
+    mapped0 = state.mapped_bytes()
+    out["available0"] = alloc.available_size()
+    idx = alloc.alloc(5)
+    out["alloc5"] = idx.tolist()
+    out["available1"] = alloc.available_size()
+    out["mapped_grew"] = state.mapped_bytes() >= mapped0 and state.mapped_bytes() > 0
+    val = torch.full((5, 8, 128), 3.0, dtype=torch.bfloat16)
+    pool.k_buffer[1][idx] = val
+    out["readback"] = bool(torch.equal(pool.k_buffer[1][idx], val))
+    big = alloc.alloc(1500)  # spans pages
+    out["pages_in_use"] = state.pages.stats().in_use
+    alloc.free(big)
+    alloc.free(idx)
+    out["available2"] = alloc.available_size()
+    out["pages_in_use_after"] = state.pages.stats().in_use
+    out["size"] = pool.size
+    state.close()
+    return out
+
+
+# --------------------------------------------------------------------------- leak check
+
+FALSY = ("is_hybrid", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache",
+         "enable_metrics", "enable_hisparse", "enable_unified_memory", "enable_hicache_storage",
+         "enable_lmcache", "current_scheduler_metrics_enabled", "enable_priority_scheduling",
+         "spec_algorithm_is_none")
+
+
+def fake_tree(evictable: int):
+    tree = mock.MagicMock(name="tree_cache")
+    for name in ("evictable_size", "full_evictable_size"):
+        getattr(tree, name).return_value = evictable
+    for name in ("protected_size", "full_protected_size", "swa_protected_size",
+                 "session_held_tokens", "session_held_full_tokens", "session_held_swa_tokens",
+                 "session_held_req_count"):
+        getattr(tree, name).return_value = 0
+    for name in ("is_tree_cache", "supports_mamba", "supports_swa", "supports_prefix_sharing"):
+        getattr(tree, name).return_value = False
+    tree.session_records.return_value = {}
+    tree.page_size = 1
+    return tree
+
+
+def build_dataclass(cls, known: dict[str, Any]):
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in known:
+            kwargs[f.name] = known[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs[f.name] = False if f.name.startswith(("is_", "enable_")) else mock.MagicMock(name=f.name)
+    return cls(**kwargs)
+
+
+def make_scheduler(state: dict[str, Any]):
+    """A Scheduler instance without __init__: real check methods, mocks for the rest."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    class Probe(Scheduler):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            if name in FALSY or name.startswith(("is_hybrid", "enable_")):
+                return False
+            value = mock.MagicMock(name=name)
+            object.__setattr__(self, name, value)
+            return value
+
+    sched = Probe.__new__(Probe)
+    for name in FALSY:
+        try:
+            object.__setattr__(sched, name, False)
+        except Exception:
+            pass
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    fields = dict(state, disaggregation_mode=DisaggregationMode.NULL, page_size=1,
+                  is_fully_idle=lambda: True, last_batch=None, running_batch=None,
+                  sessions={}, init_new_token_ratio=0.5, count_memory_leak_warnings=0,
+                  count_req_pool_leak_warnings=0)
+    for k, v in fields.items():
+        object.__setattr__(sched, k, v)
+    try:
+        from sglang.srt.managers.scheduler_components.invariant_checker import (
+            SchedulerInvariantChecker,
+        )
+        from sglang.srt.managers.scheduler_components.pool_stats_observer import (
+            SchedulerPoolStatsObserver,
+        )
+    except ImportError:
+        return sched
+    import types
+
+    from sglang.srt.managers.scheduler_components import invariant_checker as ic
+
+    if hasattr(ic, "get_parallel"):
+        # Process-group state only a launched engine publishes (0.5.2x): no DCP here.
+        ic.get_parallel = lambda: types.SimpleNamespace(dcp_enabled=False)
+
+    known = dict(fields, get_last_batch=lambda: None, get_running_batch=lambda: None,
+                 session_controller=types.SimpleNamespace(sessions={}), hisparse_coordinator=None,
+                 server_args=types.SimpleNamespace(dcp_size=1, speculative_eagle_topk=None),
+                 full_tokens_per_layer=None, swa_tokens_per_layer=None)
+    observer = build_dataclass(SchedulerPoolStatsObserver, known) if dataclasses.is_dataclass(
+        SchedulerPoolStatsObserver) else None
+    if observer is not None:
+        for meth in ("session_held_tokens", "session_held_req_count",
+                     "session_held_full_tokens", "session_held_swa_tokens"):
+            if hasattr(type(observer), meth):
+                try:
+                    setattr(observer, meth, lambda: 0)
+                except Exception:  # frozen / slots dataclass: its own accounting is used
+                    pass
+    known["pool_stats_observer"] = observer
+    checker = build_dataclass(SchedulerInvariantChecker, known)
+    object.__setattr__(sched, "pool_stats_observer", observer)
+    object.__setattr__(sched, "invariant_checker", checker)
+    return sched
+
+
+def idle_check(sched, layout: str, *, patched: bool = True) -> None:
+    from sglang.srt.managers.scheduler import Scheduler
+
+    fn = {"A": "check_memory", "B": "check_memory", "C": "on_idle", "D": "on_idle"}[layout]
+    method = getattr(Scheduler, fn)
+    if not patched:
+        method = getattr(method, "__wrapped__", method)
+    method(sched)
+
+
+def check_leak(layout: str | None) -> dict[str, Any]:
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    assert layout is not None
+    pool = make_pool(4096)
+    state = pool._kvcached
+    assert state is not None, "pool is not elastic"
+    # Two 1 MiB pages per buffer (2 layers x K/V): 2 pages of 512 tokens are backable now.
+    state.pages.set_memory_limit(2 * state.pages.page_bytes)
+    alloc = make_allocator(pool)
+    req_pool = call_filtered(ReqToTokenPool, size=4, max_context_len=32, device="cpu",
+                             enable_memory_saver=False)
+    if not hasattr(req_pool, "pre_alloc_size"):
+        req_pool.pre_alloc_size = 0
+    cached = alloc.alloc(100)  # a finished request's KV, now held by the radix cache
+    tree = fake_tree(evictable=100)
+    sched = make_scheduler(dict(token_to_kv_pool_allocator=alloc, tree_cache=tree,
+                                max_total_num_tokens=pool.size, req_to_token_pool=req_pool))
+    out: dict[str, Any] = {"available": alloc.available_size(),
+                           "logical": state.logical_free_tokens()}
+
+    def outcome(**kw) -> str:
+        try:
+            idle_check(sched, layout, **kw)
+            return "passed"
+        except ValueError as exc:
+            return f"ValueError: {str(exc)[:300]}"
+
+    out["unpatched_consistent"] = outcome(patched=False)
+    out["patched_consistent"] = outcome()
+    slot = req_pool.free_slots.pop()
+    out["patched_req_leak"] = outcome()
+    if isinstance(req_pool.free_slots, list):
+        req_pool.free_slots.append(slot)
+    else:
+        import torch
+        req_pool.free_slots = torch.cat([req_pool.free_slots, torch.tensor([slot])])
+    out["patched_consistent_again"] = outcome()
+    leaked = alloc.alloc(7)  # allocated, held by no request and not in the tree
+    out["patched_kv_leak"] = outcome()
+    alloc.free(leaked)
+    alloc.free(cached)
+    state.close()
+    return out
+
+
+# --------------------------------------------------------------------------- gates
+
+
+def gates() -> None:
+    """Bad input without SGLang: out-of-range and unknown versions."""
+    from kvcached_core.errors import PluginError
+    from kvcached_core.plugins import bootstrap, reset_bootstrap
+
+    for label, value in (("out_of_range", "0.6.0"), ("too_old", "0.4.8")):
+        os.environ["KVCACHED_SGLANG_VERSION"] = value
+        reset_bootstrap()
+        res = bootstrap("sglang", strict=False)
+        REPORT[label] = {"status": res.status, "reason": res.reason}
+        reset_bootstrap()
+        try:
+            bootstrap("sglang", strict=True)
+            REPORT[label + "_strict"] = "started"
+        except PluginError as exc:
+            REPORT[label + "_strict"] = f"refused: {exc}"
+    del os.environ["KVCACHED_SGLANG_VERSION"]
+    reset_bootstrap()
+
+    # A source tree without scm metadata: no distribution, __version__ = "0.0.0.dev0".
+    import importlib
+    import tempfile
+
+    from kvcached_core.plugins import detect_engine_version
+
+    tmp = tempfile.mkdtemp()
+    os.makedirs(os.path.join(tmp, "src", "sglang"))
+    with open(os.path.join(tmp, "src", "sglang", "__init__.py"), "w") as f:
+        f.write('__version__ = "0.0.0.dev0"\n')
+    sys.path.insert(0, os.path.join(tmp, "src"))
+    res = bootstrap("sglang", strict=False)
+    REPORT["placeholder"] = {"status": res.status, "reason": res.reason}
+    reset_bootstrap()
+    try:
+        bootstrap("sglang", strict=True)
+        REPORT["placeholder_strict"] = "started"
+    except PluginError as exc:
+        REPORT["placeholder_strict"] = f"refused: {exc}"
+    reset_bootstrap()
+
+    # A module without __version__, installed with metadata: the distribution answers.
+    sys.modules.pop("sglang", None)
+    with open(os.path.join(tmp, "src", "sglang", "__init__.py"), "w") as f:
+        f.write("")
+    info = os.path.join(tmp, "src", "sglang-0.5.12.post1.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.12.post1\n")
+    importlib.invalidate_caches()
+    det = detect_engine_version("sglang", "sglang", ("sglang",))
+    REPORT["no_module_version"] = {"value": str(det.version), "source": det.source}
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "release":
+        release(sys.argv[2])
+    elif mode == "gates":
+        gates()
+    print("PROBE-JSON " + json.dumps(REPORT, default=str))

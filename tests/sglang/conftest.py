@@ -1,0 +1,111 @@
+"""Fixtures for the SGLang adapter tests.
+
+Each SGLang release lives in its own target directory, ``.sglang/<version>``
+(``scripts/setup_sglang.sh``), beside the shared light packages in
+``.sglang/_common``. Nothing is installed into the main venv: tests that need a
+release run it in a subprocess whose ``PYTHONPATH`` holds the shims
+(``tests/sglang/shims``), a generated ``kvcached-sglang`` distribution record
+(so entry points are discovered exactly as after ``pip install``), the adapter
+source, the release and the common packages. A release that is not installed
+skips with the command that installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_DIR = ROOT / ".sglang"
+SHIMS = Path(__file__).resolve().parent / "shims"
+ADAPTER_SRC = ROOT / "kvcached_sglang"
+PROBE = Path(__file__).resolve().parent / "_probe.py"
+
+#: One release per line of SGLang's history the adapter gates on.
+RELEASES = (
+    "0.4.9.post6", "0.4.10.post2", "0.5.1", "0.5.3", "0.5.4", "0.5.9",
+    "0.5.11", "0.5.12.post1", "0.5.13", "0.5.15", "0.5.23",
+)
+
+
+def release_installed(version: str) -> bool:
+    return (SGLANG_DIR / version / ".done").is_file() and (SGLANG_DIR / "_common" / ".done").is_file()
+
+
+def skip_unless_installed(version: str) -> None:
+    if not release_installed(version):
+        pytest.skip(f"SGLang {version} is not installed in .sglang/{version}; "
+                    f"run scripts/setup_sglang.sh {version}")
+
+
+def write_dist_record(dest: Path) -> Path:
+    """A ``kvcached_sglang-<v>.dist-info`` with the entry points from the adapter's pyproject."""
+    meta = tomllib.loads((ADAPTER_SRC / "pyproject.toml").read_text())["project"]
+    info = dest / f"kvcached_sglang-{meta['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n")
+    lines = []
+    for group, eps in meta["entry-points"].items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {value}" for name, value in eps.items()]
+        lines.append("")
+    (info / "entry_points.txt").write_text("\n".join(lines))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def dist_record(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dist_record(tmp_path_factory.mktemp("kvcached_sglang_dist"))
+
+
+def release_env(version: str | None, dist_dir: Path, **extra: str) -> dict[str, str]:
+    """Environment for a subprocess that runs SGLang ``version`` (None: no SGLang)."""
+    paths = [str(SHIMS), str(dist_dir), str(ADAPTER_SRC), str(ROOT)]
+    if version is not None:
+        paths += [str(SGLANG_DIR / version), str(SGLANG_DIR / "_common")]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KVCACHED_", "SGLANG_")) and k != "PYTHONPATH"}
+    env.update(PYTHONPATH=os.pathsep.join(paths), SGLANG_USE_CPU_ENGINE="1",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def run_probe(version: str | None, dist_dir: Path, *args: str, timeout: float = 600,
+              **extra_env: str) -> dict[str, Any]:
+    """Run ``_probe.py`` for ``version``; returns its JSON report (fails with its stderr)."""
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), *args], env=release_env(version, dist_dir, **extra_env),
+        capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
+    )
+    out = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-JSON ")]
+    if proc.returncode != 0 or not out:
+        pytest.fail(f"probe for SGLang {version} failed (rc={proc.returncode}):\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(out[-1][len("PROBE-JSON "):])
+
+
+_reports: dict[str, dict[str, Any]] = {}
+
+
+@pytest.fixture(scope="session")
+def release_report(dist_record: Path):
+    """``release_report(version)``: the probe's report for a release (one subprocess each)."""
+
+    def get(version: str) -> dict[str, Any]:
+        skip_unless_installed(version)
+        if version not in _reports:
+            _reports[version] = run_probe(version, dist_record, "release", version,
+                                          KVCACHED_PAGE_SIZE_MB="1", KVCACHED_PREALLOC="0",
+                                          KVCACHED_IDLE_TRIM_S="0")
+        return _reports[version]
+
+    return get
