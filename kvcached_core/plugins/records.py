@@ -81,6 +81,26 @@ def _is_dotted(text: str) -> bool:
     return bool(text) and all(part.isidentifier() for part in text.split("."))
 
 
+class _LazyFactory:
+    """A ``"module:function"`` patch-set factory, imported when first called."""
+
+    def __init__(self, adapter: str, path: str) -> None:
+        module, _, attr = path.partition(":")
+        if not _is_dotted(module) or not attr.isidentifier():
+            raise PluginError(
+                f"engine adapter {adapter!r}: patch_sets {path!r} is not 'module:function'"
+            )
+        self.module, self.attr = module, attr
+
+    def __call__(self, version: Version) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.attr)(version)
+
+    def __repr__(self) -> str:
+        return f"{self.module}:{self.attr}"
+
+
 @dataclass(frozen=True)
 class EngineAdapter:
     """How kvcached recognises one serving engine and patches it.
@@ -97,6 +117,8 @@ class EngineAdapter:
             returns a :class:`~kvcached_core.plugins.patching.PatchSet`, a
             :class:`~kvcached_core.plugins.patching.Patch`, or an iterable of
             either. Everything returned is applied as one all-or-nothing set.
+            May also be given as ``"module:function"``, imported on first
+            call, so the plugin module need not import the patches.
         description: One line for ``kvctl doctor``.
         plugin: Set by kvcached: the plugin that registered the adapter.
         distribution: Set by kvcached: the distribution that ships that plugin.
@@ -109,7 +131,7 @@ class EngineAdapter:
     distributions: Sequence[str]
     module: str
     versions: SpecifierSet | str
-    patch_sets: PatchSetFactory
+    patch_sets: PatchSetFactory | str
     description: str = ""
     plugin: str | None = field(default=None, compare=False)
     distribution: str | None = field(default=None, compare=False)
@@ -132,6 +154,8 @@ class EngineAdapter:
             object.__setattr__(self, "versions", parse_specifier(self.versions))
         except ValueError as exc:
             raise PluginError(f"engine adapter {self.name!r}: {exc}") from None
+        if isinstance(self.patch_sets, str):
+            object.__setattr__(self, "patch_sets", _LazyFactory(self.name, self.patch_sets))
         if not callable(self.patch_sets):
             raise PluginError(f"engine adapter {self.name!r}: patch_sets must be callable")
 

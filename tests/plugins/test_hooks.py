@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import sys
+
 import pytest
 from packaging.version import Version
 
@@ -287,3 +289,22 @@ def test_every_hook_has_a_test_and_a_documented_example() -> None:
         assert section is not None, f"docs/plugins.md has no '### `{hook}`' section"
         assert "@hookimpl" in section, f"the section on {hook} has no example"
         assert (hookspecs.__dict__[hook].__doc__ or "").strip(), f"{hook} has no docstring"
+
+
+def test_kvcached_engine_adapters_patch_sets_by_import_path(tmp_path, monkeypatch) -> None:
+    """A ``"module:function"`` factory is imported on first call, not when the record is made."""
+    (tmp_path / "kvt_lazy_patches.py").write_text(
+        "CALLS = []\n"
+        "def build(version):\n"
+        "    CALLS.append(str(version))\n"
+        "    return []\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    adapter = EngineAdapter(name="lazy", distributions=("lazy",), module="lazy", versions=">=1",
+                            patch_sets="kvt_lazy_patches:build")
+    assert "kvt_lazy_patches" not in sys.modules
+    assert adapter.patch_sets(Version("1.2")) == []
+    assert sys.modules["kvt_lazy_patches"].CALLS == ["1.2"]
+    with pytest.raises(PluginError, match="patch_sets 'no colon' is not 'module:function'"):
+        EngineAdapter(name="bad", distributions=("bad",), module="bad", versions=">=1",
+                      patch_sets="no colon")
