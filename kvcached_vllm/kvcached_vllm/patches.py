@@ -10,6 +10,7 @@ module already copied with ``from X import Y``.
 patch                                  vLLM          what
 =====================================  ============  ==========================================
 cpu-virtual-kv-budget                  all (CPU)     KV budget not pinned by free memory at start
+gpu-virtual-kv-budget                  all (GPU)     ditto: the start-up free-memory check
 page-aligned-kv-blocks                 all           block count keeps layer regions page-aligned
 elastic-scheduler-setup                all           kvcached setup with the scheduler's config
 elastic-block-pool                     all           coordinator builds :class:`ElasticBlockPool`
@@ -22,6 +23,7 @@ elastic-allocate-kv-cache-tensors      < 0.29        ``_allocate_kv_cache_tensor
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -62,6 +64,31 @@ def wrap_memory_node_info(original: Any) -> Any:
         return info
 
     return get_memory_node_info
+
+
+def wrap_request_memory(original: Any) -> Any:
+    """GPU workers: the start-up check sees the whole device as free.
+
+    vLLM refuses to start when the device's free memory is below
+    ``total x gpu_memory_utilization``, and budgets the KV cache from that
+    request. With kvcached the KV cache is virtual and shares the device with
+    other engines page by page, so memory that other processes hold at start
+    must not block or shrink it: the budget becomes
+    ``total x gpu_memory_utilization - non-KV memory`` (vLLM's own formula), and
+    physical pages are checked when they are mapped. The worker keeps the real
+    snapshot for its profiling. An explicit ``kv_cache_memory_bytes`` is
+    honoured as before.
+    """
+
+    @functools.wraps(original)
+    def request_memory(init_snapshot: Any, *args: Any, **kwargs: Any) -> Any:
+        if init_snapshot.free_memory < init_snapshot.total_memory:
+            view = copy.copy(init_snapshot)
+            view.free_memory = init_snapshot.total_memory
+            init_snapshot = view
+        return original(init_snapshot, *args, **kwargs)
+
+    return request_memory
 
 
 # ------------------------------------------------------------------ scheduler side
@@ -190,6 +217,11 @@ def build_patches(version: Any) -> list[Patch]:
             "vllm.v1.worker.cpu_worker:get_memory_node_info", versions=ALL,
             wrapper=wrap_memory_node_info, name="cpu-virtual-kv-budget",
             description="KV budget not pinned by the memory free at start"))
+    else:
+        patches.append(Patch(
+            "vllm.v1.worker.gpu_worker:request_memory", versions=ALL,
+            wrapper=wrap_request_memory, name="gpu-virtual-kv-budget",
+            description="the start-up free-memory check sees the whole device"))
     patches += [
         Patch("vllm.v1.engine.core:get_kv_cache_configs", versions=ALL,
               wrapper=wrap_get_kv_cache_configs, name="page-aligned-kv-blocks",

@@ -161,3 +161,34 @@ def test_unpageable_layouts_fail_loudly():
                         block_stride=BLOCK, offset=0)])
     with pytest.raises(KVCachedConfigError, match="multiple of 32"):
         KVGeometry.from_config(unaligned, PAGE)
+
+
+def test_gpu_budget_patch_lets_a_shared_device_start():
+    """The GPU worker's start-up check, vLLM's own code, on a snapshot of a busy device."""
+    import math
+
+    from kvcached_core.plugins import Patch
+    from vllm.config import CacheConfig
+    from vllm.utils.mem_utils import MemorySnapshot
+
+    import vllm.v1.worker.gpu_worker as gpu_worker
+    from kvcached_vllm.patches import wrap_request_memory
+
+    snapshot = MemorySnapshot(device="cpu", auto_measure=False)
+    snapshot.total_memory, snapshot.free_memory = 100 << 30, 30 << 30  # others hold 70 GiB
+    config = CacheConfig(gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="Free memory"):
+        gpu_worker.request_memory(snapshot, config)
+
+    original = gpu_worker.request_memory
+    patch_set = PatchSet("vllm", [Patch("vllm.v1.worker.gpu_worker:request_memory",
+                                        versions=">=0.27.1", wrapper=wrap_request_memory,
+                                        name="gpu-virtual-kv-budget")])
+    result = patch_set.apply(_version())
+    try:
+        assert list(result.applied) == ["gpu-virtual-kv-budget"]
+        assert gpu_worker.request_memory(snapshot, config) == math.ceil((100 << 30) * 0.9)
+        assert snapshot.free_memory == 30 << 30  # the worker's own snapshot is untouched
+    finally:
+        patch_set.revert()
+    assert gpu_worker.request_memory is original
