@@ -43,7 +43,7 @@ COMMON="tqdm pybase64 requests urllib3 idna certifi charset-normalizer ipython t
   anyio annotated-doc opentelemetry-api importlib-metadata zipp pillow orjson sniffio distro
   partial-json-parser dill sentencepiece einops loguru gguf uvloop msgspec uvicorn h11 click
   setproctitle PyYAML regex safetensors typer shellingham rich markdown-it-py mdurl hf-xet httpx
-  httpcore jiter interegular cloudpickle compressed-tensors==0.12.2 pyzmq setuptools-scm"
+  httpcore jiter interegular cloudpickle compressed-tensors==0.12.2 pyzmq setuptools-scm numpy"
 
 pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
 fetch() {  # fetch SPEC... : into the wheel cache (no-op offline)
