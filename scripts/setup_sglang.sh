@@ -34,7 +34,7 @@ declare -A EXTRA=(
   [0.5.12.post1]="transformers==5.6.0 huggingface-hub==1.33.0 tokenizers==0.22.2 openai==2.6.1 openai-harmony==0.0.4 apache-tvm-ffi==0.1.9"
   [0.5.13]="transformers==5.8.1 huggingface-hub==1.33.0 tokenizers==0.22.2 openai==2.6.1 openai-harmony==0.0.4 apache-tvm-ffi==0.1.9"
   [0.5.15]="transformers==5.12.1 huggingface-hub==1.33.0 tokenizers==0.22.2 openai==2.6.1 openai-harmony==0.0.4 apache-tvm-ffi==0.1.11"
-  [0.5.23]="transformers==5.19.0 huggingface-hub==1.33.0 tokenizers==0.23.2 openai==2.8.0 openai-harmony==0.0.4 apache-tvm-ffi==0.1.11"
+  [0.5.23]="transformers==5.19.0 huggingface-hub==1.33.0 tokenizers==0.23.2 openai==2.8.0 openai-harmony==0.0.4 apache-tvm-ffi==0.1.11 xgrammar==0.2.7"
 )
 COMMON="tqdm pybase64 requests urllib3 idna certifi charset-normalizer ipython traitlets decorator
   jedi parso matplotlib-inline prompt_toolkit wcwidth pexpect ptyprocess stack_data asttokens

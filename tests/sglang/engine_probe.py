@@ -1,0 +1,137 @@
+"""A test-only SGLang plugin that lets ``engine_run.py`` look inside the scheduler process.
+
+``test_engine_e2e.py`` registers :func:`register` as a second ``sglang.srt.plugins``
+entry point (a generated dist-info beside the kvcached-sglang one), so SGLang's own
+``load_plugins()`` runs it in every engine process, exactly like kvcached's. It changes
+nothing SGLang computes; it only observes, through class attributes:
+
+* ``ReqToTokenPool.__init__``: writes ``<dir>/scheduler.pid`` (the process that owns the
+  KV pools, for RSS sampling; works with and without kvcached);
+* ``kvcached_sglang.pool.ElasticKV.__init__``: starts a daemon thread that writes the
+  pool's own counters (pages in use / reserved / mapped, tokens held) to
+  ``<dir>/stats.json`` every 50 ms;
+* ``ElasticKV.available_tokens``: counts calls made inside kvcached's leak-check view
+  (SGLang's idle check evaluating the pool) and the smallest count reported outside it;
+* ``ReqToTokenPool.free``: once ``<dir>/leak_req_slot`` exists, the next freed request
+  slot is dropped instead of returned (a deliberate request-slot leak, reported in
+  ``<dir>/leaked.json``).
+
+Inert unless ``KVCACHED_E2E_DIR`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+
+_STATE = {"view_calls": 0, "view_logical": None, "min_available": None, "view_available": None}
+_POOLS: list = []
+
+
+def _dir() -> Path | None:
+    text = os.environ.get("KVCACHED_E2E_DIR")
+    return Path(text) if text else None
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _snapshot() -> dict:
+    pools = []
+    for ref in list(_POOLS):
+        state = ref()
+        if state is None:
+            continue
+        st = state.pages.stats()
+        pools.append({"size": state.size, "used_tokens": state.used_tokens(),
+                      "in_use": st.in_use, "reserved": st.reserved, "mapped": st.mapped,
+                      "mapped_bytes": st.mapped_bytes, "page_bytes": st.page_bytes,
+                      "limit_pages": st.limit_pages, "num_pages": st.num_pages})
+    return {"pid": os.getpid(), "t": time.time(), "pools": pools, **_STATE}
+
+
+def _writer(out: Path) -> None:
+    while True:
+        try:
+            _write(out / "stats.json", _snapshot())
+        except Exception:  # never disturb the engine
+            pass
+        time.sleep(0.05)
+
+
+def _patch_elastic() -> None:
+    try:
+        from kvcached_sglang import pool as kpool
+        from kvcached_sglang.leakcheck import in_leak_check_view
+    except ImportError:
+        return
+    cls = kpool.ElasticKV
+    if getattr(cls, "__e2e_probe__", False):
+        return
+    init, available = cls.__init__, cls.available_tokens
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _POOLS.append(weakref.ref(self))
+        out = _dir()
+        if out is not None and len(_POOLS) == 1:
+            threading.Thread(target=_writer, args=(out,), daemon=True,
+                             name="kvcached-e2e-probe").start()
+
+    def available_tokens(self):
+        n = available(self)
+        if in_leak_check_view():
+            _STATE["view_calls"] += 1
+            _STATE["view_logical"] = n
+            _STATE["view_available"] = min(n, self.blocks.available_size() * self.page_size)
+        else:
+            low = _STATE["min_available"]
+            _STATE["min_available"] = n if low is None else min(low, n)
+        return n
+
+    cls.__init__, cls.available_tokens = __init__, available_tokens
+    cls.__e2e_probe__ = True
+
+
+def _patch_req_pool() -> None:
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    if getattr(ReqToTokenPool, "__e2e_probe__", False):
+        return
+    init, free = ReqToTokenPool.__init__, ReqToTokenPool.free
+    leaked: list[int] = []
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        out = _dir()
+        if out is not None:
+            (out / "scheduler.pid").write_text(str(os.getpid()))
+
+    def free_(self, *args, **kwargs):
+        before = len(self.free_slots)
+        result = free(self, *args, **kwargs)
+        out = _dir()
+        if (not leaked and out is not None and (out / "leak_req_slot").exists()
+                and len(self.free_slots) == before + 1):
+            leaked.append(self.free_slots.pop())
+            _write(out / "leaked.json", {"slot": leaked[0], "pid": os.getpid(),
+                                         "free_slots": len(self.free_slots)})
+        return result
+
+    ReqToTokenPool.__init__, ReqToTokenPool.free = __init__, free_
+    ReqToTokenPool.__e2e_probe__ = True
+
+
+def register() -> None:
+    """``sglang.srt.plugins`` entry point (test only)."""
+    if _dir() is None:
+        return
+    _patch_elastic()
+    _patch_req_pool()

@@ -1,0 +1,170 @@
+"""Serves a tiny local Llama with a real SGLang engine on the CPU and reports JSON.
+
+Runs in a subprocess set up by ``test_engine_e2e.py`` (the release, the shims and the
+dist records on ``PYTHONPATH``, as ``conftest.release_env`` builds it):
+
+``engine_run.py build <dir>``
+    writes the tiny random-weight Llama of ``tests/vllm/tiny_model.py`` to ``<dir>``.
+``engine_run.py serve <model> <workdir> [--leak]``
+    starts ``sglang.Engine`` (``device="cpu"``, ``torch_native`` attention, no CUDA
+    graphs, page size 1, token ids in and out), then
+
+    1. a workload of short prompts, greedy, twice (the second time from the radix cache);
+    2. a burst of long concurrent requests, sampling the KV pool's counters (written by
+       the ``engine_probe`` plugin inside the scheduler) and the scheduler's RSS;
+    3. ``flush_cache()`` and an idle spell, sampling again (memory falls back);
+    4. an idle spell during which SGLang's idle leak check runs (strict mode), then one
+       more request to show the engine survived it;
+
+    and prints ``ENGINE-JSON {...}``. With ``--leak`` it then arms the probe's request-slot
+    leak and sends one request: SGLang's idle check must report it (in strict mode it
+    raises and the engine takes itself down, so this comes last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHORT = dict(n=6, lo=8, hi=60, new=24, seed=11)
+BURST = dict(n=8, length=2500, new=32, seed=7)
+SAMPLE_S = 0.05
+
+
+def build(out: str) -> None:
+    sys.path.insert(0, str(HERE.parent / "vllm"))
+    from tiny_model import build_tiny_llama
+
+    print(build_tiny_llama(out))
+
+
+def _prompts(n: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the 3 special tokens (ids 0-2) of the tiny tokenizer.
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [list(o["output_ids"]) for o in outputs]
+
+
+class Sampler:
+    """Reads the probe's pool counters and the scheduler's RSS."""
+
+    def __init__(self, work: Path) -> None:
+        import psutil
+
+        self.work = work
+        self.proc = psutil.Process(int((work / "scheduler.pid").read_text()))
+
+    def read(self) -> dict:
+        snap: dict = {"t": time.time(), "rss": self.proc.memory_info().rss}
+        try:
+            stats = json.loads((self.work / "stats.json").read_text())
+        except (OSError, ValueError):
+            return snap
+        snap["view_calls"] = stats["view_calls"]
+        snap["view_logical"] = stats["view_logical"]
+        snap["view_available"] = stats["view_available"]
+        if stats["pools"]:
+            pool = stats["pools"][0]
+            snap.update(mapped=pool["mapped"], in_use=pool["in_use"],
+                        reserved=pool["reserved"], used_tokens=pool["used_tokens"],
+                        page_bytes=pool["page_bytes"], limit_pages=pool["limit_pages"],
+                        size=pool["size"], num_pages=pool["num_pages"])
+        return snap
+
+    def settle(self, seconds: float) -> dict:
+        time.sleep(seconds)
+        return self.read()
+
+
+def serve(model: str, work_dir: str, leak: bool) -> None:
+    import sglang as sgl
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"sglang_version": sgl.__version__}
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+
+    t0 = time.time()
+    engine = sgl.Engine(
+        model_path=model, device="cpu", dtype="bfloat16", skip_tokenizer_init=True,
+        attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
+        page_size=1, max_total_tokens=65536, grammar_backend="none", random_seed=0,
+        log_level="warning",
+    )
+    report["startup_s"] = round(time.time() - t0, 1)
+    greedy = lambda n: {"temperature": 0.0, "max_new_tokens": n}  # noqa: E731
+    sampler = Sampler(work)
+    report["start"] = sampler.settle(0.5)
+
+    short = _prompts(SHORT["n"], SHORT["lo"], SHORT["hi"], SHORT["seed"], vocab)
+    report["short"] = _ids(engine.generate(input_ids=short, sampling_params=greedy(SHORT["new"])))
+    report["short_again"] = _ids(engine.generate(input_ids=short,
+                                                 sampling_params=greedy(SHORT["new"])))
+
+    report["before_burst"] = sampler.settle(1.5)
+    burst = _prompts(BURST["n"], BURST["length"], BURST["length"], BURST["seed"], vocab)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(ids=_ids(engine.generate(
+        input_ids=burst, sampling_params=greedy(BURST["new"])))))
+    samples = []
+    runner.start()
+    while runner.is_alive():
+        samples.append(sampler.read())
+        time.sleep(SAMPLE_S)
+    runner.join()
+    report["burst"] = result.get("ids")
+    report["burst_samples"] = samples
+    report["after_burst"] = sampler.settle(1.5)  # finished requests stay in the radix cache
+    report["flushed"] = bool(_flush(engine))
+    report["after_flush"] = sampler.settle(2.0)
+
+    # Idle: SGLang's scheduler runs its idle memory check (strict by default) repeatedly.
+    idle0 = sampler.read()
+    report["idle"] = sampler.settle(2.0)
+    report["idle_view_calls"] = report["idle"].get("view_calls", 0) - idle0.get("view_calls", 0)
+    report["after_idle"] = _ids(engine.generate(input_ids=short[:1],
+                                                sampling_params=greedy(SHORT["new"])))
+    report["alive_after_idle"] = True
+    print("ENGINE-JSON " + json.dumps(report), flush=True)
+
+    if leak:
+        (work / "leak_req_slot").write_text("1")
+        print("LEAK-ARMED", flush=True)
+        engine.generate(input_ids=short[1:2], sampling_params=greedy(4))
+        # The idle check follows within milliseconds; its failure reaches this process as a
+        # SIGQUIT that SGLang handles on the engine's event loop, so keep that loop running.
+        import asyncio
+
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            engine.loop.run_until_complete(asyncio.sleep(0.5))
+        print("LEAK-NOT-REPORTED", flush=True)  # unreachable when SGLang takes itself down
+    engine.shutdown()
+
+
+def _flush(engine) -> bool:
+    # Flushing is refused while requests are still being finished; retry briefly.
+    for _ in range(20):
+        res = engine.flush_cache()
+        ok = getattr(res, "success", res)
+        if ok is None or ok:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "build":
+        build(sys.argv[2])
+    else:
+        serve(sys.argv[2], sys.argv[3], "--leak" in sys.argv[4:])
