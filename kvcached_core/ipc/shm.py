@@ -74,7 +74,8 @@ _HEAD = struct.Struct("=8sII")  # magic, version, size: written once, before pub
 # int64 word indices
 _PID, _CREATED, _SEQ, _USED, _RESERVED, _CAPACITY, _UPDATED, _LIMIT, _GEN = range(2, 11)
 _OFF_NS, _OFF_POOL, _NAME = 96, 160, 64
-_STUCK_S = 0.05  # a seqlock held longer than this belongs to a dead writer
+_STUCK_S = 0.05  # after this long, check whether the writer is still alive
+_STUCK_ALIVE_S = 2.0  # the bound for a live owner that is merely slow
 
 
 def shm_dir() -> Path:
@@ -175,7 +176,7 @@ class PoolView:
     def read(self) -> PoolStats:
         """A consistent snapshot of the segment."""
         w = self._w
-        give_up = 0.0
+        give_up = hard_stop = 0.0
         while True:
             s1 = w[_SEQ]
             stats = w[_USED:_UPDATED + 1].tolist()
@@ -184,8 +185,13 @@ class PoolView:
             now = time.monotonic()
             if not give_up:
                 give_up = now + _STUCK_S
-            elif now > give_up:  # the owner died mid-update; each word is still whole
-                break
+                hard_stop = now + _STUCK_ALIVE_S
+            elif now > give_up:
+                # A live owner may just be descheduled mid-update on a loaded machine:
+                # keep waiting for it (up to a bound). A dead one never finishes;
+                # each word is still whole.
+                if now > hard_stop or not _pid_alive(w[_PID]):
+                    break
             time.sleep(0)  # let the writer finish
         used, reserved, capacity, updated = stats
         mm = self._mm
