@@ -62,14 +62,14 @@ def bench_latency(device: str, backend: str, index: int, pages: int, rounds: int
 
         mapper = open_mapper(device, PAGE)
         vt = mapper.reserve(pages * PAGE)
+        group = mapper.group([vt])  # as KVTensors maps: page indices only
         mapper.synchronize()
-        kv_cold += timed_calls(lambda p: mapper.map([vt], [p]), range(pages))
-        kv_shrink += timed_calls(lambda p: mapper.unmap([vt], [p], synchronize=False), range(pages))
-        kv_recycled += timed_calls(lambda p: mapper.map([vt], [p]), range(pages))
+        kv_cold += timed_calls(lambda p: group.map([p]), range(pages))
+        kv_shrink += timed_calls(lambda p: group.unmap([p], synchronize=False), range(pages))
+        kv_recycled += timed_calls(lambda p: group.map([p]), range(pages))
         mapper.set_pool_limit(0)
-        kv_shrink_release += timed_calls(
-            lambda p: mapper.unmap([vt], [p], synchronize=False), range(pages))
-        del vt, mapper
+        kv_shrink_release += timed_calls(lambda p: group.unmap([p], synchronize=False), range(pages))
+        del group, vt, mapper
         native = _native.time_mapper_calls(open_mapper(device, PAGE), pages)
         for key, values in native.items():
             nat[key] += values

@@ -93,6 +93,14 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("handles_released", &MapperStats::handles_released)
       .def_readonly("pool_limit", &MapperStats::pool_limit);
 
+  py::class_<PageGroup>(m, "PageGroup",
+                        "Virtual tensors mapped and unmapped together; calls take pages only.")
+      .def("map", &PageGroup::map, py::arg("pages"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("unmap", &PageGroup::unmap, py::arg("pages"), py::arg("synchronize") = true,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("tensors", &PageGroup::tensors);
+
   py::class_<PageMapper>(m, "PageMapper")
       .def(py::init<const std::string&, int, std::size_t>(), py::arg("backend"),
            py::arg("device"), py::arg("page_size"),
@@ -108,6 +116,8 @@ PYBIND11_MODULE(_native, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("unmap", &PageMapper::unmap, py::arg("tensors"), py::arg("pages"),
            py::arg("synchronize") = true, py::call_guard<py::gil_scoped_release>())
+      .def("group", &PageMapper::group, py::arg("tensors"),
+           "A PageGroup over `tensors` (checked once): page p of each maps together.")
       .def("trim_pool", &PageMapper::trim_pool, py::arg("keep") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("set_pool_limit", &PageMapper::set_pool_limit, py::arg("limit"),

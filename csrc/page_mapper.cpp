@@ -198,21 +198,14 @@ std::ptrdiff_t find_duplicate(const std::vector<T>& items) {
 }
 
 // Validates a batch before any driver call, so a bad request changes nothing.
-void check_batch(const MapperCore* core,
-                 const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
-                 const std::vector<std::int64_t>& pages, bool want_mapped) {
-  const char* verb = want_mapped ? "unmap" : "map";
-  std::ptrdiff_t dup = find_duplicate(pages);
-  if (dup >= 0) {
-    throw Error(ErrorKind::kInvalidArgument, "page " + std::to_string(pages[dup]) +
-                                                 " appears twice in one " + verb +
-                                                 " batch");
-  }
-  dup = find_duplicate(tensors);
+void check_tensors(const MapperCore* core,
+                   const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                   const std::string& what) {
+  std::ptrdiff_t dup = find_duplicate(tensors);
   if (dup >= 0) {
     throw Error(ErrorKind::kInvalidArgument,
                 "virtual tensor at " + hex(tensors[dup] ? tensors[dup]->address() : 0) +
-                    " appears twice in one " + verb + " batch");
+                    " appears twice in one " + what);
   }
   for (const auto& t : tensors) {
     if (!t) throw Error(ErrorKind::kInvalidArgument, "virtual tensor is None");
@@ -221,6 +214,22 @@ void check_batch(const MapperCore* core,
                                                    hex(t->address()) +
                                                    " belongs to another page mapper");
     }
+  }
+}
+
+void check_batch(const MapperCore* core,
+                 const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                 const std::vector<std::int64_t>& pages, bool want_mapped,
+                 bool with_tensors) {
+  const char* verb = want_mapped ? "unmap" : "map";
+  std::ptrdiff_t dup = find_duplicate(pages);
+  if (dup >= 0) {
+    throw Error(ErrorKind::kInvalidArgument, "page " + std::to_string(pages[dup]) +
+                                                 " appears twice in one " + verb +
+                                                 " batch");
+  }
+  if (with_tensors) check_tensors(core, tensors, std::string(verb) + " batch");
+  for (const auto& t : tensors) {
     for (std::int64_t p : pages) {
       if (p < 0 || static_cast<std::size_t>(p) >= t->num_pages()) {
         throw Error(ErrorKind::kInvalidArgument,
@@ -243,8 +252,27 @@ void check_batch(const MapperCore* core,
 
 void PageMapper::map(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
                      const std::vector<std::int64_t>& pages) {
+  map_checked(tensors, pages, true);
+}
+
+void PageMapper::unmap(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                       const std::vector<std::int64_t>& pages, bool synchronize) {
+  unmap_checked(tensors, pages, synchronize, true);
+}
+
+PageGroup PageMapper::group(std::vector<std::shared_ptr<VirtualTensor>> tensors) const {
+  return PageGroup(*this, std::move(tensors));
+}
+
+PageGroup::PageGroup(PageMapper mapper, std::vector<std::shared_ptr<VirtualTensor>> tensors)
+    : mapper_(std::move(mapper)), tensors_(std::move(tensors)) {
+  check_tensors(mapper_.core_.get(), tensors_, "page group");
+}
+
+void PageMapper::map_checked(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                             const std::vector<std::int64_t>& pages, bool with_tensors) {
   std::lock_guard<std::mutex> lock(core_->mu);
-  check_batch(core_.get(), tensors, pages, false);
+  check_batch(core_.get(), tensors, pages, false, with_tensors);
   const std::size_t ps = core_->page_size;
   Backend& b = *core_->backend;
   // Done so far, for rollback.
@@ -293,10 +321,11 @@ void PageMapper::map(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
   }
 }
 
-void PageMapper::unmap(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
-                       const std::vector<std::int64_t>& pages, bool synchronize) {
+void PageMapper::unmap_checked(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                               const std::vector<std::int64_t>& pages, bool synchronize,
+                               bool with_tensors) {
   std::lock_guard<std::mutex> lock(core_->mu);
-  check_batch(core_.get(), tensors, pages, true);
+  check_batch(core_.get(), tensors, pages, true, with_tensors);
   if (synchronize && !pages.empty()) core_->backend->synchronize();
   const std::size_t ps = core_->page_size;
   for (std::int64_t p : pages) {

@@ -62,6 +62,8 @@ struct MapperStats {
   std::size_t pool_limit;
 };
 
+class PageGroup;
+
 class PageMapper {
  public:
   PageMapper(const std::string& backend, int device, std::size_t page_size);
@@ -82,6 +84,9 @@ class PageMapper {
   void unmap(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
              const std::vector<std::int64_t>& pages, bool synchronize);
 
+  // A fixed set of this mapper's tensors, mapped and unmapped together.
+  PageGroup group(std::vector<std::shared_ptr<VirtualTensor>> tensors) const;
+
   // Releases pooled handles until at most `keep` remain; returns how many.
   std::size_t trim_pool(std::size_t keep);
   void set_pool_limit(std::size_t limit);
@@ -90,7 +95,31 @@ class PageMapper {
   void synchronize();
 
  private:
+  friend class PageGroup;
+  void map_checked(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                   const std::vector<std::int64_t>& pages, bool check_tensors);
+  void unmap_checked(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
+                     const std::vector<std::int64_t>& pages, bool synchronize,
+                     bool check_tensors);
   std::shared_ptr<MapperCore> core_;
+};
+
+// The virtual tensors one KV page spans (every layer's buffers), checked once
+// so that each map/unmap passes page indices only: the engine's hot path.
+class PageGroup {
+ public:
+  PageGroup(PageMapper mapper, std::vector<std::shared_ptr<VirtualTensor>> tensors);
+  void map(const std::vector<std::int64_t>& pages) {
+    mapper_.map_checked(tensors_, pages, false);
+  }
+  void unmap(const std::vector<std::int64_t>& pages, bool synchronize) {
+    mapper_.unmap_checked(tensors_, pages, synchronize, false);
+  }
+  const std::vector<std::shared_ptr<VirtualTensor>>& tensors() const { return tensors_; }
+
+ private:
+  PageMapper mapper_;
+  std::vector<std::shared_ptr<VirtualTensor>> tensors_;
 };
 
 }  // namespace kvcached

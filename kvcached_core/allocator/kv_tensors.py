@@ -188,6 +188,7 @@ class KVTensors:
         self._layout = layout
         size = layout.total_bytes if layout.contiguous else layout.buffer_bytes
         self._tensors = [mapper.reserve(size) for _ in range(layout.num_tensors)]
+        self._group = mapper.group(self._tensors)  # one page id spans every buffer
         self._device = mapper_device(mapper)
 
     @classmethod
@@ -242,11 +243,11 @@ class KVTensors:
             DeviceOutOfMemoryError: No physical memory; nothing stays mapped.
             MappingError: A page id is out of range, repeated or already mapped.
         """
-        self._mapper.map(self._tensors, list(page_ids))
+        self._group.map(list(page_ids))
 
     def unmap_pages(self, page_ids: Sequence[int], synchronize: bool = True) -> None:
         """Return ``page_ids``' memory; with ``synchronize`` first wait for queued device work."""
-        self._mapper.unmap(self._tensors, list(page_ids), synchronize)
+        self._group.unmap(list(page_ids), synchronize)
 
     def is_mapped(self, page_id: int) -> bool:
         """Whether any buffer still has ``page_id`` mapped."""

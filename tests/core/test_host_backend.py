@@ -127,3 +127,19 @@ def test_memory_info_reports_the_host():
     mapper = open_mapper("cpu", PAGE)
     free, total = mapper.mem_info()
     assert 0 < free <= total
+
+
+def test_a_page_group_maps_its_tensors_together_and_is_checked_once():
+    mapper = open_mapper("cpu", PAGE)
+    layers = [mapper.reserve(4 * PAGE) for _ in range(4)]
+    group = mapper.group(layers)
+    group.map([0, 3])
+    assert all(v.is_mapped(0) and v.is_mapped(3) and v.mapped_pages == 2 for v in layers)
+    with pytest.raises(MappingError, match="page 3 .* already mapped"):
+        group.map([3])
+    group.unmap([3])
+    assert all(not v.is_mapped(3) for v in layers) and mapper.stats().pooled_handles == 4
+    with pytest.raises(MappingError, match="appears twice in one page group"):
+        mapper.group([layers[0], layers[0]])
+    with pytest.raises(MappingError, match="another page mapper"):
+        mapper.group([open_mapper("cpu", PAGE).reserve(PAGE)])
