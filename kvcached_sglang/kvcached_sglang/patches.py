@@ -11,6 +11,8 @@ what                       target                                             re
 =========================  =================================================  ==================
 MHA buffers on kvcached    ``memory_pool:MHATokenToKVPool._create_buffers``   0.4.9 - 0.5.15
                            ``..._create_buffers_normal`` (dispatcher split)   0.5.16 - 0.5.23
+MLA buffers on kvcached    ``memory_pool:MLATokenToKVPool.__init__`` (inline) 0.4.9 - 0.5.4
+                           ``memory_pool:MLATokenToKVPool._create_buffers``   0.5.6 - 0.5.23
 token allocator (page 1)   ``mem_cache.allocator:TokenToKVPoolAllocator.*``   0.4.9 - 0.5.12
                            ``mem_cache.allocator.token:...`` (a package)      0.5.13 - 0.5.23
 idle leak check, layout A  ``managers.scheduler:Scheduler.check_memory``      0.4.9 - 0.5.3
@@ -65,6 +67,11 @@ _BUSY_CHECKS: tuple[tuple[str, str], ...] = (
 )
 
 _MHA_PARAMS = ("size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device")
+_MLA_PARAMS = ("size", "page_size", "dtype", "kv_lora_rank", "qk_rope_head_dim", "layer_num",
+               "device")
+#: What the MLA gates assume of SGLang's source: (release line, method) -> needles / absentees.
+_MLA_INLINE = ("self.kv_buffer = [", "(size + page_size, 1, ")
+_MLA_FACTORY = ("self.kv_buffer = [", "(self.size + self.page_size, 1, self.kv_cache_dim)")
 _ALLOC_PARAMS = {"__init__": ("size", "dtype", "device", "kvcache"), "alloc": ("need_size",),
                  "free": ("free_index",), "available_size": (), "clear": ()}
 
@@ -90,14 +97,15 @@ def _owner(fn: Any) -> str:
     return getattr(fn, "__qualname__", repr(fn))
 
 
-def _expect_source(version: Any, needles: Iterable[str]) -> Callable[[Callable], None]:
+def _expect_source(version: Any, needles: Iterable[str],
+                   gate: str = "leak-check") -> Callable[[Callable], None]:
     def check(original: Callable) -> None:
         src = _source(original)
         missing = [n for n in needles if n not in src]
         if src and missing:
             raise PatchError(
                 f"SGLang {version}: {_owner(original)} no longer contains {missing}; the "
-                "leak-check gate did not foresee this layout"
+                f"{gate} gate did not foresee this layout"
             )
     return check
 
@@ -156,6 +164,60 @@ def _pool_wrapper(version: Any, finish: bool) -> Callable[[Callable], Callable]:
     return wrap
 
 
+def _other_size_uses(src: str) -> list[str]:
+    """Uses of ``size`` in an inline MLA ``__init__`` other than those ``make_mla_init`` fixes.
+
+    Allowed: passing it to ``super().__init__``, the buffer shape ``(size + page_size, ...)``, the
+    allocation log (an f-string or ``_finalize_allocation_log(size)``).
+    """
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(src))
+    parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    other = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Name) and node.id == "size"):
+            continue
+        up = parent[node]
+        text = ast.unparse(up)
+        shape = text == "size + page_size" and isinstance(parent[up], ast.Tuple)
+        if isinstance(up, ast.FormattedValue) or shape or (
+                isinstance(up, ast.Call) and ast.unparse(up.func) in (
+                    "super().__init__", "self._finalize_allocation_log")):
+            continue
+        other.append(text)
+    return other
+
+
+def _mla_wrapper(version: Any, inline: bool) -> Callable[[Callable], Callable]:
+    """``MLATokenToKVPool.__init__`` (``inline``: buffers built in it) or ``._create_buffers``."""
+    from kvcached_sglang.pool import make_mla_create_buffers, make_mla_init
+
+    def wrap(original: Callable) -> Callable:
+        import sys
+
+        module = sys.modules[_POOL]  # the patch target's module (``original`` may be inherited)
+        _expect_params(version, "MLATokenToKVPool", "__init__", _MLA_PARAMS)(module)
+        init_src = _source(module.MLATokenToKVPool.__init__)
+        if inline:
+            _expect_source(version, _MLA_INLINE, "MLA buffer")(original)
+            other = _other_size_uses(init_src)
+            if init_src and ("_create_buffers()" in init_src or other):
+                raise PatchError(
+                    f"SGLang {version}: MLATokenToKVPool.__init__ calls _create_buffers or uses "
+                    f"its size beyond the buffer shape and the log ({other}); the inline MLA "
+                    "buffer gate did not foresee this")
+            return make_mla_init(original, module.MLATokenToKVPool)
+        _expect_source(version, _MLA_FACTORY, "MLA buffer")(original)
+        if init_src and "self._create_buffers()" not in init_src:
+            raise PatchError(f"SGLang {version}: MLATokenToKVPool.__init__ no longer calls "
+                             "_create_buffers; the MLA buffer gate did not foresee this")
+        return make_mla_create_buffers(original, module.MLATokenToKVPool)
+
+    return wrap
+
+
 def _allocator_wrapper(version: Any, name: str) -> Callable[[Callable], Callable]:
     from kvcached_sglang.pool import elastic_allocator_method
 
@@ -186,15 +248,26 @@ def build_patches(version: Any) -> list[Patch]:
     """Every patch of the SGLang adapter; each carries its own release gate."""
     patches: list[Patch] = []
 
-    # Elastic MHA buffers (page size 1 for now; other layouts keep SGLang's buffers).
-    patches.append(Patch(
-        f"{_POOL}:MHATokenToKVPool._create_buffers", versions=">=0.4.9.dev0,<0.5.16.dev0",
-        wrapper=_pool_wrapper(version, finish=True), name="elastic-mha-buffers",
-        description="MHA K/V buffers are kvcached virtual tensors backed on demand"))
-    patches.append(Patch(
-        f"{_POOL}:MHATokenToKVPool._create_buffers_normal", versions=">=0.5.16.dev0,<0.5.24.dev0",
-        wrapper=_pool_wrapper(version, finish=False), name="elastic-mha-buffers-normal",
-        description="MHA K/V buffers (0.5.16 dispatcher split) on kvcached"))
+    # Elastic pool buffers (page size 1 for now; other layouts keep SGLang's buffers).
+    # MLA: one latent buffer per layer; 0.5.5 builds it inline next to FP4 scale buffers
+    # sized from the same ``size``, so 0.5.5 keeps SGLang's MLA buffers.
+    buffer_patches = (
+        ("elastic-mha-buffers", "MHATokenToKVPool._create_buffers",
+         ">=0.4.9.dev0,<0.5.16.dev0", _pool_wrapper(version, finish=True),
+         "MHA K/V buffers are kvcached virtual tensors backed on demand"),
+        ("elastic-mha-buffers-normal", "MHATokenToKVPool._create_buffers_normal",
+         ">=0.5.16.dev0,<0.5.24.dev0", _pool_wrapper(version, finish=False),
+         "MHA K/V buffers (0.5.16 dispatcher split) on kvcached"),
+        ("elastic-mla-init", "MLATokenToKVPool.__init__",
+         ">=0.4.9.dev0,<0.5.5.dev0", _mla_wrapper(version, inline=True),
+         "MLA kv_buffer (built in __init__) as kvcached virtual tensors"),
+        ("elastic-mla-buffers", "MLATokenToKVPool._create_buffers",
+         ">=0.5.6.dev0,<0.5.24.dev0", _mla_wrapper(version, inline=False),
+         "MLA kv_buffer as kvcached virtual tensors backed on demand"),
+    )
+    for name, attr, spec, wrapper, description in buffer_patches:
+        patches.append(Patch(f"{_POOL}:{attr}", versions=spec, wrapper=wrapper, name=name,
+                             description=description))
 
     # Token allocator, page size 1.
     from kvcached_sglang.pool import ALLOCATOR_METHODS

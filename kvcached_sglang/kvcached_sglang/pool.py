@@ -1,11 +1,13 @@
 """Elastic SGLang KV pools and token allocators backed by kvcached.
 
-A pool (``MHATokenToKVPool``) keeps its class and its API; only where its K/V
-buffers come from changes. The patched buffer factory reserves the buffers as
-kvcached virtual tensors (one per layer and K/V, ``(size + page_size, H, D)``
-rows as SGLang expects) and records an :class:`ElasticKV` on the pool as
-``pool._kvcached``. The token allocators' patched methods look that record up
-through their ``_kvcache`` and draw slots from its
+A pool (``MHATokenToKVPool``, ``MLATokenToKVPool``) keeps its class and its
+API; only where its buffers come from changes. The patched buffer factory
+reserves the buffers as kvcached virtual tensors (MHA: one per layer and K/V,
+``(size + page_size, H, D)``; MLA: one per layer, ``(size + page_size, 1,
+kv_lora_rank + qk_rope_head_dim)``, K and V packed) and records an
+:class:`ElasticKV` on the pool as ``pool._kvcached``. The token allocators'
+patched methods look that record up through their ``_kvcache`` and draw slots
+from its
 :class:`~kvcached_core.allocator.KVBlockManager`; a pool without the record
 (a layout or subclass kvcached does not back) keeps SGLang's own allocator
 behaviour, so one process can hold both.
@@ -38,6 +40,8 @@ __all__ = [
     "ALLOCATOR_METHODS",
     "elastic_allocator_method",
     "make_create_buffers",
+    "make_mla_create_buffers",
+    "make_mla_init",
 ]
 
 _log = logging.getLogger("kvcached")
@@ -198,6 +202,29 @@ def _nhd_eligible(pool: Any) -> str | None:
     return None
 
 
+def _open_elastic(pool: Any, dtype: Any, row_elems: int, num_buffers: int, name: str) -> ElasticKV:
+    """Reserve ``pool``'s buffers in kvcached and record the stack as ``pool._kvcached``."""
+    import torch
+
+    item = torch.empty((), dtype=dtype).element_size()
+    state = ElasticKV(
+        pool.device,
+        size=pool.size,
+        page_size=pool.page_size,
+        row_bytes=row_elems * item,
+        num_layers=pool.layer_num,
+        num_buffers=num_buffers,
+        name=name,
+    )
+    pool._kvcached = state
+    return state
+
+
+def _keep_sglang_buffers(pool: Any, reason: str) -> None:
+    _log.info("kvcached: %s keeps SGLang's own buffers (%s)", type(pool).__name__, reason)
+    pool._kvcached = None
+
+
 def make_create_buffers(original: Callable[..., Any], *, finish: bool) -> Callable[..., Any]:
     """The elastic replacement of ``MHATokenToKVPool._create_buffers`` (or ``_normal``).
 
@@ -211,23 +238,10 @@ def make_create_buffers(original: Callable[..., Any], *, finish: bool) -> Callab
     def _create_buffers(self: Any) -> None:
         reason = _nhd_eligible(self)
         if reason is not None:
-            _log.info("kvcached: %s keeps SGLang's own buffers (%s)", type(self).__name__, reason)
-            self._kvcached = None
+            _keep_sglang_buffers(self, reason)
             return original(self)
-        import torch
-
         dtype = getattr(self, "store_dtype", None) or self.dtype
-        item = torch.empty((), dtype=dtype).element_size()
-        state = ElasticKV(
-            self.device,
-            size=self.size,
-            page_size=self.page_size,
-            row_bytes=self.head_num * self.head_dim * item,
-            num_layers=self.layer_num,
-            num_buffers=2,
-            name="mha",
-        )
-        self._kvcached = state
+        state = _open_elastic(self, dtype, self.head_num * self.head_dim, 2, "mha")
         shape = (self.head_num, self.head_dim)
         self.k_buffer = [state.view(i, 0, dtype, shape) for i in range(self.layer_num)]
         self.v_buffer = [state.view(i, 1, dtype, shape) for i in range(self.layer_num)]
@@ -236,6 +250,111 @@ def make_create_buffers(original: Callable[..., Any], *, finish: bool) -> Callab
 
     _create_buffers.__kvcached_elastic__ = True  # type: ignore[attr-defined]
     return _create_buffers
+
+
+# ------------------------------------------------------------------------ MLA
+
+
+def _mla_eligible(pool: Any, cls: type) -> str | None:
+    """Why kvcached leaves this MLA pool's buffers to SGLang, or ``None`` to back them.
+
+    Only ``MLATokenToKVPool`` itself: its subclasses (NSA/DSA indexer caches, FP4
+    scales, NPU, page-interleaved, unified pools) add buffers or layouts kvcached
+    does not back, and a half-elastic pool is worse than a static one.
+    """
+    return _mla_reason(
+        type(pool), cls, pool.page_size,
+        dsa=getattr(pool, "use_dsa", False) or getattr(pool, "use_nsa", False),
+        custom_pool=getattr(pool, "custom_mem_pool", None) is not None,
+        sharded=getattr(pool, "layer_shard_enabled", False),
+    )
+
+
+def _mla_reason(kind: type, cls: type, page_size: int, *, dsa: bool, custom_pool: bool = False,
+                sharded: bool = False) -> str | None:
+    if kind is not cls:
+        return f"subclass of {cls.__name__} with its own buffers"
+    if dsa:
+        return "NSA/DSA indexer buffers"
+    if custom_pool:
+        return "custom memory pool"
+    if sharded:
+        return "layer-sharded pool"
+    if page_size != 1:
+        return "page size > 1 (the paged allocator is not elastic yet)"
+    return None
+
+
+def _mla_kv_buffer(pool: Any, dim: int) -> None:
+    """``pool.kv_buffer``: one ``(size + page_size, 1, dim)`` kvcached tensor per layer."""
+    dtype = getattr(pool, "store_dtype", None) or pool.dtype
+    state = _open_elastic(pool, dtype, dim, 1, "mla")
+    pool.kv_buffer = [state.view(i, 0, dtype, (1, dim)) for i in range(pool.layer_num)]
+
+
+def make_mla_create_buffers(original: Callable[..., Any], cls: type) -> Callable[..., Any]:
+    """The elastic replacement of ``MLATokenToKVPool._create_buffers`` (0.5.6+).
+
+    SGLang's ``__init__`` sets ``kv_cache_dim`` (K and V packed,
+    ``kv_lora_rank + qk_rope_head_dim``) before and the data pointers after it.
+    """
+
+    @functools.wraps(original)
+    def _create_buffers(self: Any) -> None:
+        reason = _mla_eligible(self, cls)
+        if reason is not None:
+            _keep_sglang_buffers(self, reason)
+            return original(self)
+        _mla_kv_buffer(self, self.kv_cache_dim)
+
+    _create_buffers.__kvcached_elastic__ = True  # type: ignore[attr-defined]
+    return _create_buffers
+
+
+def make_mla_init(original: Callable[..., Any], cls: type) -> Callable[..., Any]:
+    """The elastic replacement of ``MLATokenToKVPool.__init__`` (0.4.9-0.5.4).
+
+    These releases create ``kv_buffer`` inline in ``__init__``. SGLang's own
+    ``__init__`` runs unchanged for an eligible pool, but for ``size=0`` (one
+    padding row per layer, so nothing of the real size is allocated); then the
+    pool gets its real ``size``, kvcached buffers, their data pointers and
+    ``mem_usage``. The patch gate checks that ``size`` enters nothing else.
+    A pool that turns out ineligible (custom memory pool) is initialised again
+    with the caller's arguments.
+    """
+    import inspect
+
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arg = bound.arguments
+        reason = _mla_reason(type(self), cls, arg["page_size"], dsa=bool(arg.get("use_nsa")))
+        if reason is not None:
+            _keep_sglang_buffers(self, reason)
+            return original(self, *args, **kwargs)
+        size = arg["size"]
+        arg["size"] = 0
+        original(*bound.args, **bound.kwargs)
+        self.size = size
+        reason = _mla_eligible(self, cls)
+        if reason is not None:
+            _keep_sglang_buffers(self, reason)
+            return original(self, *args, **kwargs)
+        _mla_kv_buffer(self, self.kv_buffer[0].shape[-1])
+        if hasattr(self, "data_ptrs"):
+            import torch
+
+            self.data_ptrs = torch.tensor(
+                [x.data_ptr() for x in self.kv_buffer], dtype=torch.uint64, device=self.device
+            )
+        self.mem_usage = self.get_kv_size_bytes() / (1 << 30)
+        return None
+
+    __init__.__kvcached_elastic__ = True  # type: ignore[attr-defined]
+    return __init__
 
 
 def _finish_tables(pool: Any) -> None:

@@ -89,6 +89,10 @@ def release(version: str) -> None:
     def _pool():
         return check_pool()
 
+    @section("mla")
+    def _mla():
+        return check_mla_pool()
+
     @section("leak")
     def _leak():
         return check_leak(layout)
@@ -104,6 +108,10 @@ def release(version: str) -> None:
                 mismatched.append(target)
         return {"conflicts": [str(c) for c in rev.conflicts] if rev else None,
                 "restored": len(rev.restored) if rev else 0, "mismatched": mismatched}
+
+    @section("mla_signature")
+    def _mla_signature():
+        return check_mla_signature_change(before)
 
 
 def make_pool(size: int):
@@ -132,6 +140,17 @@ def make_allocator(pool):
                          kvcache=pool, need_sort=False)
 
 
+def first_slots(pool, state, out: dict[str, Any]):
+    """An allocator over ``pool`` and its first 5 slots; free counts before and after."""
+    alloc = make_allocator(pool)
+    mapped0 = state.mapped_bytes()
+    out["available0"] = alloc.available_size()
+    idx = alloc.alloc(5)
+    out["alloc5"] = idx.tolist()
+    out["available1"] = alloc.available_size()
+    return alloc, idx, mapped0
+
+
 def check_pool() -> dict[str, Any]:
     import torch
 
@@ -141,12 +160,7 @@ def check_pool() -> dict[str, Any]:
                            "k_shape": list(pool.k_buffer[0].shape)}
     if state is None:
         return out
-    alloc = make_allocator(pool)
-    mapped0 = state.mapped_bytes()
-    out["available0"] = alloc.available_size()
-    idx = alloc.alloc(5)
-    out["alloc5"] = idx.tolist()
-    out["available1"] = alloc.available_size()
+    alloc, idx, mapped0 = first_slots(pool, state, out)
     out["mapped_grew"] = state.mapped_bytes() >= mapped0 and state.mapped_bytes() > 0
     val = torch.full((5, 8, 128), 3.0, dtype=torch.bfloat16)
     pool.k_buffer[1][idx] = val
@@ -160,6 +174,115 @@ def check_pool() -> dict[str, Any]:
     out["size"] = pool.size
     state.close()
     return out
+
+
+MLA_DIM = (512, 64)  # kv_lora_rank, qk_rope_head_dim (DeepSeek's)
+
+
+def make_mla_pool(size: int, cls=None, **extra):
+    import torch
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    rank, rope = MLA_DIM
+    return call_filtered(
+        cls or mp.MLATokenToKVPool, size=size, page_size=1, dtype=torch.bfloat16,
+        kv_lora_rank=rank, qk_rope_head_dim=rope, layer_num=2, device="cpu",
+        enable_memory_saver=False, start_layer=None, end_layer=None, **extra)
+
+
+def no_dcp() -> None:
+    """Process-group state only a launched engine publishes: no decode context parallelism."""
+    import types
+
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    if hasattr(mp, "get_parallel"):
+        mp.get_parallel = lambda: types.SimpleNamespace(dcp_enabled=False, attn_dcp_size=1)
+    if hasattr(mp, "dcp_enabled"):
+        mp.dcp_enabled = lambda: False
+
+
+def check_mla_pool() -> dict[str, Any]:
+    """An MLA pool on kvcached: slots through the token allocator, writes that read back."""
+    import types
+
+    import torch
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    no_dcp()
+    pool = make_mla_pool(4096)
+    state = getattr(pool, "_kvcached", None)
+    out: dict[str, Any] = {"elastic": state is not None, "kv_shape": list(pool.kv_buffer[0].shape),
+                           "layers": len(pool.kv_buffer), "size": pool.size}
+    if state is None:
+        return out
+    out["buffers"] = state.kv.layout.num_buffers
+    out["virtual"] = all(b.data_ptr() == state.view(i, 0, b.dtype, (1, b.shape[-1])).data_ptr()
+                         for i, b in enumerate(pool.kv_buffer))
+    if hasattr(pool, "data_ptrs"):
+        out["data_ptrs_match"] = pool.data_ptrs.tolist() == [b.data_ptr() for b in pool.kv_buffer]
+    out["mem_usage_gb"] = pool.mem_usage
+    alloc, idx, mapped0 = first_slots(pool, state, out)
+    rank, rope = MLA_DIM
+    layer = types.SimpleNamespace(layer_id=1, tp_k_head_num=1, tp_v_head_num=1,
+                                  head_dim=rank + rope, v_head_dim=rank, k_scale=None,
+                                  v_scale=None)
+    cache_k = torch.randn(5, 1, rank + rope).to(torch.bfloat16)
+    cache_v = cache_k[..., :rank]
+    pool.set_kv_buffer(layer, idx, cache_k, cache_v)
+    out["readback_key"] = bool(torch.equal(pool.get_key_buffer(1)[idx], cache_k))
+    out["readback_value"] = bool(torch.equal(pool.get_value_buffer(1)[idx], cache_v))
+    out["other_layer_untouched"] = bool(torch.count_nonzero(pool.get_key_buffer(0)[idx]) == 0)
+    big = alloc.alloc(1500)  # 1500 rows of 1152 bytes span two 1 MiB pages
+    out["pages_in_use"] = state.pages.stats().in_use
+    out["mapped_grew"] = state.mapped_bytes() > mapped0
+    out["ids_below_rows"] = int(big.max()) < pool.size + pool.page_size
+    alloc.free(big)
+    alloc.free(idx)
+    out["available2"] = alloc.available_size()
+    out["pages_in_use_after"] = state.pages.stats().in_use
+    state.close()
+
+    # Pools kvcached leaves to SGLang entirely: a subclass (NSA/DSA indexer caches, FP4
+    # scales, ... add buffers) and the NSA/DSA flag where the release has one.
+    class Sub(mp.MLATokenToKVPool):
+        pass
+
+    sub = make_mla_pool(64, cls=Sub)
+    out["subclass_static"] = sub._kvcached is None and list(sub.kv_buffer[0].shape) == [65, 1, 576]
+    params = inspect.signature(mp.MLATokenToKVPool.__init__).parameters
+    flag = next((f for f in ("use_dsa", "use_nsa") if f in params), None)
+    out["dsa_flag"] = flag
+    if flag is not None:
+        dsa = make_mla_pool(64, **{flag: True})
+        out["dsa_static"] = dsa._kvcached is None and list(dsa.kv_buffer[0].shape) == [65, 1, 576]
+    return out
+
+
+def check_mla_signature_change(before: dict[str, Any]) -> dict[str, Any]:
+    """A release whose ``MLATokenToKVPool.__init__`` lost ``kv_lora_rank``: the set rolls back."""
+    from kvcached_core.plugins import bootstrap, reset_bootstrap
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    cls = mp.MLATokenToKVPool
+    real = cls.__dict__["__init__"]
+
+    def __init__(self, size, page_size, dtype, latent_dim, layer_num, device,
+                 enable_memory_saver, start_layer=None, end_layer=None):
+        raise AssertionError("never called")
+
+    reset_bootstrap()
+    cls.__init__ = __init__
+    try:
+        res = bootstrap("sglang", strict=False)
+    finally:
+        cls.__init__ = real
+    ps = res.patch_set
+    untouched = [t for t, (was_own, original) in before.items()
+                 if was_own and resolve(t)[2] is not original]
+    reset_bootstrap()
+    return {"status": res.status, "reason": res.reason,
+            "applied": list(ps.applied) if ps else [], "not_restored": untouched}
 
 
 # --------------------------------------------------------------------------- leak check

@@ -12,6 +12,12 @@ EXPECTED_LAYOUT = {
     "0.5.13": "D", "0.5.15": "D", "0.5.23": "D",
 }
 
+#: Inline in ``MLATokenToKVPool.__init__`` up to 0.5.5, ``_create_buffers`` from 0.5.6.
+EXPECTED_MLA_PATCH = {v: "elastic-mla-init" for v in ("0.4.9.post6", "0.4.10.post2", "0.5.1",
+                                                      "0.5.3", "0.5.4")}
+EXPECTED_MLA_PATCH.update({v: "elastic-mla-buffers" for v in RELEASES
+                           if v not in EXPECTED_MLA_PATCH})
+
 pytestmark = pytest.mark.parametrize("version", RELEASES)
 
 
@@ -34,6 +40,7 @@ def test_patch_set_applies_completely(release_report, version):
     applied = set(boot["applied"])
     assert f"leak-check-{EXPECTED_LAYOUT[version]}" in applied
     assert any(name.startswith("elastic-mha-buffers") for name in applied)
+    assert applied & {"elastic-mla-init", "elastic-mla-buffers"} == {EXPECTED_MLA_PATCH[version]}
     assert {n.rsplit("-pkg", 1)[0] for n in applied if "token-allocator" in n} == {
         f"elastic-token-allocator-{m}" for m in ("available_size", "alloc", "free", "clear")}
 
@@ -52,6 +59,37 @@ def test_pool_and_allocator_run_on_kvcached(release_report, version):
     assert pool["mapped_grew"] and pool["readback"]
     assert pool["pages_in_use"] >= 3  # 1505 tokens of 2 KiB rows over 1 MiB pages
     assert pool["available2"] == 4096 and pool["pages_in_use_after"] == 1  # null block's page
+
+
+def test_changed_mla_signature_rolls_the_set_back(release_report, version):
+    sig = _ok(release_report(version)["mla_signature"])
+    assert sig["status"] == "failed" and sig["applied"] == [] and sig["not_restored"] == []
+    assert EXPECTED_MLA_PATCH[version] in sig["reason"]
+    assert "MLATokenToKVPool" in sig["reason"] and version in sig["reason"]
+    assert "kv_lora_rank" in sig["reason"] and "rolled back" in sig["reason"]
+
+
+def test_mla_pool_runs_on_kvcached(release_report, version):
+    mla = _ok(release_report(version)["mla"])
+    # One latent buffer per layer, K and V packed: kv_lora_rank + qk_rope_head_dim = 576.
+    assert mla["elastic"] and mla["buffers"] == 1 and mla["virtual"]
+    assert mla["kv_shape"] == [4097, 1, 576] and mla["layers"] == 2 and mla["size"] == 4096
+    assert mla.get("data_ptrs_match", True)
+    assert mla["mem_usage_gb"] == pytest.approx(2 * 4097 * 1152 / (1 << 30))
+    # 1152-byte rows over 1 MiB pages: the 4 rows that straddle a page boundary are never
+    # handed out, so 4092 of the 4096 slots can be backed.
+    assert mla["available0"] == 4092 and mla["available1"] == 4087
+    assert sorted(mla["alloc5"]) == [1, 2, 3, 4, 5]
+    assert mla["readback_key"] and mla["readback_value"] and mla["other_layer_untouched"]
+    assert mla["mapped_grew"] and mla["pages_in_use"] >= 2 and mla["ids_below_rows"]
+    assert mla["available2"] == 4092 and mla["pages_in_use_after"] == 1  # null block's page
+    # Pools with buffers kvcached does not cover keep SGLang's: subclasses, NSA/DSA.
+    assert mla["subclass_static"]
+    flag = "use_dsa" if version in ("0.5.13", "0.5.15", "0.5.23") else (
+        None if version in ("0.4.9.post6", "0.4.10.post2", "0.5.1") else "use_nsa")
+    assert mla["dsa_flag"] == flag
+    if flag is not None:
+        assert mla["dsa_static"]
 
 
 def test_idle_leak_check(release_report, version):
