@@ -145,7 +145,7 @@ def serve(model: str, work_dir: str, leak: bool) -> None:
         # SIGQUIT that SGLang handles on the engine's event loop, so keep that loop running.
         import asyncio
 
-        deadline = time.time() + 30
+        deadline = time.time() + 90  # generous: a loaded 2-core machine is slow to react
         while time.time() < deadline:
             engine.loop.run_until_complete(asyncio.sleep(0.5))
         print("LEAK-NOT-REPORTED", flush=True)  # unreachable when SGLang takes itself down
