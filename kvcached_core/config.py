@@ -71,12 +71,10 @@ def load_settings() -> Settings:
     )
 
 
-def contiguous_layout(settings: Settings, backend: str) -> bool:
+def contiguous_layout() -> bool:
     """Per-layer buffers by default; ``KVCACHED_CONTIGUOUS_LAYOUT`` wins when set.
 
     Per-layer is the default everywhere (and must be on ROCm, whose attention
     kernels misread the strided views of the contiguous layout).
     """
-    if settings.contiguous_layout is not None:
-        return settings.contiguous_layout
-    return False
+    return bool(load_settings().contiguous_layout)

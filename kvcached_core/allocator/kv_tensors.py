@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvcached_core.config import contiguous_layout
 from kvcached_core.device import Device
 from kvcached_core.errors import KVCachedConfigError, MappingError
 from kvcached_core.vmm import as_tensor, mapper_device, open_mapper
@@ -54,6 +55,11 @@ __all__ = ["K", "V", "KVLayout", "KVTensors"]
 K = 0
 #: Buffer index of the values.
 V = 1
+
+
+def _contiguous(explicit: bool | None) -> bool:
+    """An explicit choice, else ``KVCACHED_CONTIGUOUS_LAYOUT`` (per-layer when unset)."""
+    return contiguous_layout() if explicit is None else explicit
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ class KVLayout:
         num_layers: int,
         page_size: int,
         num_buffers: int = 2,
-        contiguous: bool = False,
+        contiguous: bool | None = None,
     ) -> KVLayout:
         """The largest layout whose buffers together fit in ``total_bytes``.
 
@@ -106,7 +112,7 @@ class KVLayout:
                 f"{total_bytes} bytes of KV cache do not hold one {page_size}-byte page for "
                 f"each of {num_layers} layers x {num_buffers} buffers"
             )
-        return cls(num_layers, per_buffer, page_size, num_buffers, contiguous)
+        return cls(num_layers, per_buffer, page_size, num_buffers, _contiguous(contiguous))
 
     @classmethod
     def for_blocks(
@@ -117,7 +123,7 @@ class KVLayout:
         num_layers: int,
         page_size: int,
         num_buffers: int = 2,
-        contiguous: bool = False,
+        contiguous: bool | None = None,
     ) -> KVLayout:
         """The smallest layout holding ``num_blocks`` usable blocks of ``block_bytes``.
 
@@ -135,7 +141,7 @@ class KVLayout:
         while whole < num_blocks:
             whole += (pages + 1) * page_size // block_bytes - -(-pages * page_size // block_bytes)
             pages += 1
-        return cls(num_layers, pages * page_size, page_size, num_buffers, contiguous)
+        return cls(num_layers, pages * page_size, page_size, num_buffers, _contiguous(contiguous))
 
     @property
     def num_pages(self) -> int:

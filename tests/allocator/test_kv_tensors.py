@@ -128,3 +128,13 @@ def test_groups_share_a_mapper_and_mappers_are_independent():
     assert int(g2.buffer(0)[:PAGE].sum()) == 2 * PAGE
     with pytest.raises(MappingError, match="already mapped"):
         g1.map_pages([0])
+
+
+def test_layout_follows_kvcached_contiguous_layout_unless_given(monkeypatch):
+    monkeypatch.delenv("KVCACHED_CONTIGUOUS_LAYOUT", raising=False)
+    assert not KVLayout.for_bytes(64 << 20, num_layers=2, page_size=1 << 20).contiguous
+    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "1")
+    assert KVLayout.for_bytes(64 << 20, num_layers=2, page_size=1 << 20).contiguous
+    assert KVLayout.for_blocks(8, 4096, num_layers=2, page_size=1 << 20).contiguous
+    assert not KVLayout.for_bytes(64 << 20, num_layers=2, page_size=1 << 20,
+                                  contiguous=False).contiguous
