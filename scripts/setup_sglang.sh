@@ -19,7 +19,6 @@ PY=${PYTHON:-.venv/bin/python}
 ROOT=.sglang
 WHEELS=$ROOT/wheels
 mkdir -p "$WHEELS"
-grep -qx '/.sglang/' .git/info/exclude 2>/dev/null || echo '/.sglang/' >> .git/info/exclude
 
 # Per release: the pins its modules need beside _common (transformers with a matching
 # huggingface-hub/tokenizers; openai where the protocol types are imported).
