@@ -40,7 +40,8 @@ def wanted_backends() -> set[str]:
 
 
 sources = ["csrc/backend.cpp", "csrc/backend_host.cpp", "csrc/page_mapper.cpp",
-           "csrc/raw_timing.cpp", "csrc/bindings.cpp"]
+           "csrc/raw_timing.cpp", "csrc/block_table.cpp",
+           "csrc/block_table_type.cpp", "csrc/bindings.cpp"]
 include_dirs = ["csrc"]
 macros = []
 wanted = wanted_backends()

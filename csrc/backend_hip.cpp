@@ -230,9 +230,10 @@ class HipBackend final : public Backend {
       if (previous_ != device) check(api().hipSetDevice(device), "hipSetDevice", "");
     }
     ~DeviceGuard() {
+      // A destructor cannot report failure; restoring the device is best effort.
       int now = -1;
-      api().hipGetDevice(&now);
-      if (now != previous_) api().hipSetDevice(previous_);
+      (void)api().hipGetDevice(&now);
+      if (now != previous_) (void)api().hipSetDevice(previous_);
     }
     DeviceGuard(const DeviceGuard&) = delete;
     DeviceGuard& operator=(const DeviceGuard&) = delete;

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "backend.h"
+#include "block_table_type.h"
 #include "page_mapper.h"
 #include "raw_timing.h"
 
@@ -136,6 +137,8 @@ PYBIND11_MODULE(_native, m) {
           "(free, total) bytes of the device.")
       .def("synchronize", &PageMapper::synchronize,
            py::call_guard<py::gil_scoped_release>());
+
+  if (!add_block_table_type(m.ptr())) throw py::error_already_set();
 
   m.def(
       "time_raw_driver_calls",

@@ -26,8 +26,10 @@ Policy
 * ``None`` from ``alloc`` means "no space now" (limit, device memory or
   capacity): a scheduling miss, never a crash.
 
-The block manager has its own lock, so calls from several threads are safe;
-the hot path (blocks from mapped pages) makes no driver call and does not log.
+The bookkeeping is native (``_native.BlockTable``, csrc/block_table.cpp): each
+call is atomic under the GIL, so calls from several threads are safe, and the
+hot path (blocks from held pages) is one native call, with no driver call and no
+logging.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import threading
 from collections.abc import Sequence
 
 from kvcached_core.allocator.page_allocator import PageAllocator
-from kvcached_core.errors import KVCachedConfigError, MappingError
+from kvcached_core import _native
+from kvcached_core.errors import KVCachedConfigError
 
 __all__ = ["KVBlockManager"]
 
@@ -97,19 +100,10 @@ class KVBlockManager:
         self._ends = ends
         self._caps = caps
         self._max_cap = max(caps)
-
-        self._lock = threading.Lock()
-        self._free_lists: list[list[int]] = [[] for _ in range(num_pages)]  # free ids by page
-        self._held = bytearray(num_pages)  # 1: the page is mapped for this manager
-        self._buckets: list[set[int]] = [set() for _ in range(self._max_cap + 1)]
-        self._mask = 0  # bit k set iff _buckets[k] is non-empty (k >= 1)
-        self._free_in_pages = 0
-        self._held_pages = 0
-        self._allocated: set[int] = set()  # handed out by alloc(): never the null block
-        # Pages not held, counted by capacity: for a conservative available_size().
-        self._unheld_by_cap: dict[int, int] = {}
-        for c in caps:
-            self._unheld_by_cap[c] = self._unheld_by_cap.get(c, 0) + 1
+        # Block bookkeeping is native (csrc/block_table.cpp): each call is atomic
+        # under the GIL; the lock only serialises growing by whole pages.
+        self._table = _native.BlockTable(starts, caps, n)
+        self._grow_lock = threading.Lock()
 
         self._null_block: int | None = None
         if reserve_null_block:
@@ -119,8 +113,9 @@ class KVBlockManager:
                     f"{page_allocator.memory_limit} bytes, "
                     f"{page_allocator.page_bytes} bytes a page)"
                 )
-            self._add_pages_locked([0])
-            self._null_block = self._take_locked(1)[0]  # page 0's lowest block: 0
+            self._table.add_pages([0])
+            self._null_block = self._table.alloc(1)[0]  # page 0's lowest block: 0
+            self._table.set_null(self._null_block)
 
     @staticmethod
     def _check_geometry(block_bytes: int, page: int, granularity: int) -> None:
@@ -147,7 +142,7 @@ class KVBlockManager:
     def __repr__(self) -> str:
         return (
             f"<KVBlockManager blocks={self._num_blocks} block_bytes={self._block_bytes} "
-            f"allocated={self.num_allocated} pages={self._held_pages}>"
+            f"allocated={self.num_allocated} pages={self.num_held_pages}>"
         )
 
     # ------------------------------------------------------------ properties
@@ -173,17 +168,17 @@ class KVBlockManager:
     @property
     def num_allocated(self) -> int:
         """Blocks handed out, the null block included."""
-        return len(self._allocated) + (self._null_block is not None)
+        return self._table.num_allocated + (self._null_block is not None)
 
     @property
     def num_free_blocks_in_pages(self) -> int:
         """Free blocks in pages this manager holds (no mapping needed to use them)."""
-        return self._free_in_pages
+        return self._table.free_in_pages
 
     @property
     def num_held_pages(self) -> int:
         """Pages this manager holds (each has at least one allocated block)."""
-        return self._held_pages
+        return self._table.held_pages
 
     @property
     def num_mapped_pages(self) -> int:
@@ -206,10 +201,7 @@ class KVBlockManager:
 
     def page_occupancy(self, page_id: int) -> int:
         """Allocated blocks in a page (0 when not held), for page-aware eviction."""
-        with self._lock:
-            if not self._held[page_id]:
-                return 0
-            return self._caps[page_id] - len(self._free_lists[page_id])
+        return self._table.page_occupancy(page_id)
 
     # ------------------------------------------------------------ allocation
 
@@ -220,55 +212,30 @@ class KVBlockManager:
         (memory limit and device memory allowing), each counted at the
         smallest capacity a page may have, so the figure is never optimistic.
         """
-        pages = self._pa.available_pages()
-        with self._lock:
-            total = self._free_in_pages
-            for cap in sorted(self._unheld_by_cap):
-                if pages <= 0:
-                    break
-                k = min(pages, self._unheld_by_cap[cap])
-                total += k * cap
-                pages -= k
-            return total
+        return self._table.available(self._pa.available_pages())
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` block ids, or ``None`` when there is no space (nothing changes then)."""
-        if n <= 0:
-            if n == 0:
-                return []
-            raise ValueError(f"cannot allocate {n} blocks")
-        with self._lock:
-            if n == 1 and self._mask:  # the hot path: one block, from the fullest page
-                mask = self._mask
-                k = (mask & -mask).bit_length() - 1
-                bucket = self._buckets[k]
-                p = bucket.pop()
-                if not bucket:
-                    mask ^= 1 << k
-                if k > 1:
-                    bucket = self._buckets[k - 1]
-                    if not bucket:
-                        mask |= 1 << (k - 1)
-                    bucket.add(p)
-                self._mask = mask
-                self._free_in_pages -= 1
-                b = self._free_lists[p].pop()
-                self._allocated.add(b)
-                return [b]
-            grown: list[int] = []
-            if n > self._free_in_pages:
-                grown = self._grow_locked(n - self._free_in_pages)
+        out = self._table.alloc(n)  # ValueError for n < 0
+        if out is not None:  # the hot path: blocks of held pages, no driver call
+            return out
+        table = self._table
+        with self._grow_lock:
+            while True:
+                out = table.alloc(n)
+                if out is not None:
+                    return out
+                grown = self._grow(n - table.free_in_pages)
                 if not grown:
                     return None
-            out = self._take_locked(n)
-            self._allocated.update(out)
-            # Best-fit may leave a new page untouched when capacities differ: give it back.
-            idle = [p for p in grown if len(self._free_lists[p]) == self._caps[p]]
-            if idle:
-                self._rebucket_locked({p: self._caps[p] for p in idle})
-        if idle:
-            self._pa.free_pages(idle)
-        return out
+                table.add_pages(grown)
+                out = table.alloc(n)
+                # Best-fit may leave a new page untouched when capacities differ: give it back.
+                idle = table.release_idle(grown)
+                if idle:
+                    self._pa.free_pages(idle)
+                if out is not None:
+                    return out
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Return blocks; a page left with no allocated block goes back at once.
@@ -278,55 +245,17 @@ class KVBlockManager:
                 allocated, out of range, the null block) or repeats; nothing
                 changes then.
         """
-        ids = block_ids if type(block_ids) is list else list(block_ids)
-        if not ids:
-            return
-        with self._lock:
-            if len(ids) == 1:  # the hot path: one block of a page that stays held
-                b = ids[0]
-                if b in self._allocated:
-                    p = b * self._block_bytes // self._page_size
-                    fl = self._free_lists[p]
-                    old = len(fl)
-                    if old + 1 < self._caps[p]:
-                        self._allocated.remove(b)
-                        fl.append(b)
-                        mask = self._mask
-                        if old:
-                            bucket = self._buckets[old]
-                            bucket.discard(p)
-                            if not bucket:
-                                mask ^= 1 << old
-                        bucket = self._buckets[old + 1]
-                        if not bucket:
-                            mask |= 1 << (old + 1)
-                        bucket.add(p)
-                        self._mask = mask
-                        self._free_in_pages += 1
-                        return
-            bad = self._check_free_locked(ids)
-            if bad is not None:
-                raise MappingError(bad)
-            self._allocated.difference_update(ids)
-            fls = self._free_lists
-            bb, ps = self._block_bytes, self._page_size
-            before: dict[int, int] = {}
-            for b in ids:
-                p = b * bb // ps
-                fl = fls[p]
-                if p not in before:
-                    before[p] = len(fl)
-                fl.append(b)
-            self._free_in_pages += len(ids)
-            release = self._rebucket_locked(before)
+        release = self._table.free(block_ids)
         if release:
             self._pa.free_pages(release)
 
+    def allocated_ids(self) -> list[int]:
+        """Blocks handed out by :meth:`alloc` and not freed, ascending (no null block)."""
+        return self._table.allocated_ids()
+
     def clear(self) -> None:
         """Free every allocated block but the null block."""
-        with self._lock:
-            ids = list(self._allocated)
-        self.free(ids)
+        self.free(self._table.allocated_ids())
 
     def trim(self) -> int:
         """Unmap the page allocator's reserve now; returns the pages unmapped."""
@@ -334,70 +263,8 @@ class KVBlockManager:
 
     # ------------------------------------------------------------ internals
 
-    def _check_free_locked(self, ids: Sequence[int]) -> str | None:
-        """Why ``ids`` cannot be freed, or ``None`` when they can."""
-        unique = set(ids)
-        if len(unique) == len(ids) and unique <= self._allocated:
-            return None
-        seen: set[int] = set()
-        for b in ids:
-            if b in seen:
-                return f"block {b} appears twice in one free"
-            seen.add(b)
-            if b == self._null_block:
-                return f"block {b} is the null block; it is never freed"
-            if b not in self._allocated:
-                return f"block {b} is not allocated (double free, or never allocated)"
-        return "bad free"  # unreachable
-
-    def _rebucket_locked(self, before: dict[int, int]) -> list[int]:
-        """Move touched pages to their new free-count bucket; returns emptied pages."""
-        buckets, fls, caps = self._buckets, self._free_lists, self._caps
-        release: list[int] = []
-        for p, old in before.items():
-            if old:
-                bucket = buckets[old]
-                bucket.discard(p)
-                if not bucket:
-                    self._mask ^= 1 << old
-            new = len(fls[p])
-            if new == caps[p]:
-                release.append(p)
-                continue
-            bucket = buckets[new]
-            if not bucket:
-                self._mask |= 1 << new
-            bucket.add(p)
-        if release:
-            for p in release:
-                self._free_in_pages -= caps[p]
-                fls[p] = []
-                self._held[p] = 0
-                self._unheld_by_cap[caps[p]] += 1
-            self._held_pages -= len(release)
-        return release
-
-    def _add_pages_locked(self, pages: list[int]) -> None:
-        """Start holding fresh pages: all their blocks are free."""
-        for p in pages:
-            cap = self._caps[p]
-            start = self._starts[p]
-            self._free_lists[p] = list(range(start + cap - 1, start - 1, -1))
-            self._held[p] = 1
-            bucket = self._buckets[cap]
-            if not bucket:
-                self._mask |= 1 << cap
-            bucket.add(p)
-            self._free_in_pages += cap
-            self._unheld_by_cap[cap] -= 1
-        self._held_pages += len(pages)
-
-    def _grow_locked(self, deficit: int) -> list[int]:
-        """Hold enough new pages for ``deficit`` more blocks, all or nothing.
-
-        Returns the new pages, or ``[]`` (having given back any taken) when
-        the page allocator has no space.
-        """
+    def _grow(self, deficit: int) -> list[int]:
+        """New pages for ``deficit`` more blocks, all or nothing (``[]`` when no space)."""
         got: list[int] = []
         while deficit > 0:
             pages = self._pa.alloc_pages(-(-deficit // self._max_cap))
@@ -407,36 +274,4 @@ class KVBlockManager:
                 return []
             got += pages
             deficit -= sum(self._caps[p] for p in pages)
-        self._add_pages_locked(got)
         return got
-
-    def _take_locked(self, n: int) -> list[int]:
-        """Pop ``n`` free blocks, best-fit by page. The caller checked there are enough."""
-        buckets, fls = self._buckets, self._free_lists
-        mask = self._mask
-        out: list[int] = []
-        rem = n
-        while rem:
-            m = mask >> rem
-            k = rem + (m & -m).bit_length() - 1 if m else mask.bit_length() - 1
-            bucket = buckets[k]
-            p = bucket.pop()
-            if not bucket:
-                mask ^= 1 << k
-            fl = fls[p]
-            if k <= rem:
-                out += fl
-                fl.clear()
-                rem -= k
-            else:
-                left = k - rem
-                out += fl[left:]
-                del fl[left:]
-                rem = 0
-                bucket = buckets[left]
-                if not bucket:
-                    mask |= 1 << left
-                bucket.add(p)
-        self._mask = mask
-        self._free_in_pages -= n
-        return out

@@ -183,3 +183,45 @@ def test_block_manager_needs_its_own_page_zero(make_stack):
     with pytest.raises(MappingError, match="page 0 is in use"):
         KVBlockManager(s.pages, BLOCK)
     assert K == 0 and V == 1
+
+
+def test_threads_never_share_a_block_and_pages_come_back(make_stack):
+    """Allocation from several threads at once (hot path and page growth racing)."""
+    import threading
+
+    s = make_stack(max_reserved=4)
+    bm = s.blocks
+    owner: dict[int, int] = {}
+    clash: list[int] = []
+    guard = threading.Lock()
+
+    def worker(t: int) -> None:
+        mine: list[list[int]] = []
+        for i in range(400):
+            ids = bm.alloc(1 + (i + t) % 5)
+            if ids is not None:
+                with guard:
+                    for b in ids:
+                        if owner.setdefault(b, t) != t:
+                            clash.append(b)
+                mine.append(ids)
+            if mine and (ids is None or i % 3 == 0):
+                gone = mine.pop(0)
+                with guard:
+                    for b in gone:
+                        del owner[b]
+                bm.free(gone)
+        for ids in mine:
+            with guard:
+                for b in ids:
+                    del owner[b]
+            bm.free(ids)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not clash
+    assert bm.num_allocated == 1 and bm.allocated_ids() == []
+    assert bm.num_held_pages == 1 and s.pages.num_in_use == 1

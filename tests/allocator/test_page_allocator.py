@@ -280,10 +280,10 @@ OOM_SCRIPT = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_FSIZE, (3 * 4 * page, resource.RLIM_INFINITY))
     a = bm.alloc(8)                      # page 0 has 3 free blocks; pages 1 and 2 map
     assert a is not None and pa.num_in_use == 3, a
-    before = (sorted(bm._allocated), pa.stats(), kv.mapper.stats().mapped_pages)
+    before = (bm.allocated_ids(), pa.stats(), kv.mapper.stats().mapped_pages)
     assert bm.alloc(9) is None           # needs 3 more pages: out of memory
     assert pa.alloc_pages(1) is None     # straight from the page allocator too
-    after = (sorted(bm._allocated), pa.stats(), kv.mapper.stats().mapped_pages)
+    after = (bm.allocated_ids(), pa.stats(), kv.mapper.stats().mapped_pages)
     assert before == after, (before, after)
     assert after[2] == 12 and pa.stats().free == 13
     bm.free(a)                           # pages go to the reserve (handles stay)
