@@ -78,3 +78,19 @@ def contiguous_layout() -> bool:
     kernels misread the strided views of the contiguous layout).
     """
     return bool(load_settings().contiguous_layout)
+
+
+#: Default cap on prefix-cached tokens an engine keeps mapped while nothing uses them.
+DEFAULT_MAX_CACHED_TOKENS = 8192
+
+
+def max_cached_tokens() -> int | None:
+    """``KVCACHED_MAX_CACHED_TOKENS``: prefix-cached tokens kept mapped when unused.
+
+    Engines with an elastic pool evict cached prefixes beyond this many tokens
+    (whole pages first), so memory returns after a burst while hot prefixes
+    stay. ``None`` (a negative value) means no cap: the cache keeps what the
+    engine would keep.
+    """
+    tokens = env_int("KVCACHED_MAX_CACHED_TOKENS", DEFAULT_MAX_CACHED_TOKENS)
+    return None if tokens < 0 else tokens

@@ -56,11 +56,19 @@ def leak_check_view() -> Iterator[None]:
         _VIEW.reset(token)
 
 
-def with_leak_check_view(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Patch wrapper: run SGLang's check method ``original`` inside :func:`leak_check_view`."""
+def with_leak_check_view(
+    original: Callable[..., Any], before: Callable[[Any], Any] | None = None
+) -> Callable[..., Any]:
+    """Patch wrapper: run SGLang's check method ``original`` inside :func:`leak_check_view`.
+
+    ``before(scheduler)``, if given, runs first (outside the view), with the
+    method's ``self``: the idle entry points use it to trim the prefix cache.
+    """
 
     @functools.wraps(original)
     def checked(*args: Any, **kwargs: Any) -> Any:
+        if before is not None and args:
+            before(args[0])
         token = _VIEW.set(True)
         try:
             return original(*args, **kwargs)

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvcached_core.allocator import KVBlockManager, KVLayout, PageAllocator
 from kvcached_core.device import Device
-from kvcached_core.env import env_int
+from kvcached_core.config import max_cached_tokens
 from kvcached_core.errors import DeviceOutOfMemoryError, IPCError, WorkerError
 from kvcached_core.ipc import PoolSegment, WorkerGroup
 
@@ -42,8 +42,6 @@ __all__ = [
 
 log = logging.getLogger("kvcached.vllm")
 
-#: Default cap on prefix-cached (evictable) tokens kept mapped.
-DEFAULT_MAX_CACHED_TOKENS = 8192
 #: Default idle time before the reserve of mapped pages is released (vLLM adapter).
 DEFAULT_IDLE_TRIM_S = 1.0
 
@@ -190,10 +188,8 @@ def runtimes() -> list[ElasticRuntime]:
 
 
 def _max_cached_blocks(block_size: int) -> int | None:
-    tokens = env_int("KVCACHED_MAX_CACHED_TOKENS", DEFAULT_MAX_CACHED_TOKENS)
-    if tokens < 0:
-        return None
-    return tokens // max(1, block_size)
+    tokens = max_cached_tokens()
+    return None if tokens is None else tokens // max(1, block_size)
 
 
 def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime:

@@ -12,7 +12,8 @@ dist records on ``PYTHONPATH``, as ``conftest.release_env`` builds it):
     1. a workload of short prompts, greedy, twice (the second time from the radix cache);
     2. a burst of long concurrent requests, sampling the KV pool's counters (written by
        the ``engine_probe`` plugin inside the scheduler) and the scheduler's RSS;
-    3. ``flush_cache()`` and an idle spell, sampling again (memory falls back);
+    3. an idle spell (kvcached trims the radix cache to its cap: memory falls back), then
+       ``flush_cache()`` and another, sampling again;
     4. an idle spell during which SGLang's idle leak check runs (strict mode), then one
        more request to show the engine survived it;
 
@@ -72,6 +73,7 @@ class Sampler:
         snap["view_calls"] = stats["view_calls"]
         snap["view_logical"] = stats["view_logical"]
         snap["view_available"] = stats["view_available"]
+        snap["profile"] = stats.get("profile", {})
         if stats["pools"]:
             pool = stats["pools"][0]
             snap.update(mapped=pool["mapped"], in_use=pool["in_use"],
@@ -124,7 +126,7 @@ def serve(model: str, work_dir: str, leak: bool) -> None:
     runner.join()
     report["burst"] = result.get("ids")
     report["burst_samples"] = samples
-    report["after_burst"] = sampler.settle(1.5)  # finished requests stay in the radix cache
+    report["after_burst"] = sampler.settle(1.5)  # idle: the radix cache trimmed to the cap
     report["flushed"] = bool(_flush(engine))
     report["after_flush"] = sampler.settle(2.0)
 

@@ -37,8 +37,9 @@ RELEASES = ("0.5.12.post1", "0.5.23")
 #: detokenizer imports ``function_call`` -> ``inkling_detector`` -> ``xgrammar``.
 ENGINE_EXTRAS = {"0.5.23": {"xgrammar": "xgrammar==0.2.7"}}
 PAGE_IDS_PER_BURST = 4  # 8 x 2532 tokens over 4096-token page ids: at least 5 page ids
+CACHE_CAP = 4096  # prefix-cached tokens kept once idle (one page id)
 KV_ENV = dict(KVCACHED_PAGE_SIZE_MB="1", KVCACHED_IDLE_TRIM_S="0.5",
-              KVCACHED_MEMORY_LIMIT=str(40 << 20))
+              KVCACHED_MEMORY_LIMIT=str(40 << 20), KVCACHED_MAX_CACHED_TOKENS=str(CACHE_CAP))
 TIMEOUT_S = 900
 
 pytestmark = [pytest.mark.engine, pytest.mark.parametrize("version", RELEASES)]
@@ -148,6 +149,17 @@ def test_kvcached_backs_the_engine_pool(engine_run, version):
     assert "mapped" not in plain["start"], plain["start"]  # vanilla: SGLang's static pool
 
 
+def test_memory_profile_taken_as_if_the_engine_were_alone(engine_run, version):
+    prof = engine_run(version, True)["start"]["profile"]
+    assert prof["method"].endswith("_profile_available_bytes"), prof
+    # SGLang's code ran with the device's total as the pre-load figure (what it would have
+    # measured alone), not the free memory it measured with everything else running.
+    assert prof["virtual_pre_load_gib"] == prof["total_bytes"] / (1 << 30), prof
+    assert prof["measured_pre_load_gib"] < prof["virtual_pre_load_gib"], prof
+    assert 0 < prof["own_bytes"] < prof["total_bytes"], prof
+    assert prof["result"] > 0, prof
+
+
 def test_greedy_tokens_identical_with_and_without_kvcached(engine_run, version):
     kv, plain = engine_run(version, True), engine_run(version, False)
     for ids in plain["short"] + plain["burst"]:
@@ -165,8 +177,12 @@ def test_kv_memory_grows_under_burst_and_falls_back(engine_run, version):
     assert max(s.get("used_tokens", 0) for s in samples) >= 8 * 2500
     assert peak["mapped"] >= base["mapped"] + PAGE_IDS_PER_BURST, (base, peak)
     assert peak["mapped"] <= peak["limit_pages"]
-    # Finished requests stay in the radix cache (evictable) until flushed; then every
-    # page id but the null block's is unmapped again.
+    # Once the scheduler is idle, kvcached trims the radix cache to the cap (the most
+    # recent prefixes stay cached) and the emptied page ids are unmapped: no flush needed.
+    idle = kv["after_burst"]
+    assert idle["used_tokens"] <= CACHE_CAP, idle
+    assert idle["mapped"] <= idle["in_use"] + 1 and idle["mapped"] < peak["mapped"], (idle, peak)
+    # A flush empties the cache: every page id but the null block's is unmapped again.
     assert kv["flushed"]
     assert flushed["used_tokens"] == 0 and flushed["in_use"] == 1, flushed
     assert flushed["mapped"] <= base["mapped"], (base, flushed)
@@ -174,7 +190,7 @@ def test_kv_memory_grows_under_burst_and_falls_back(engine_run, version):
     unmapped = (peak["mapped"] - flushed["mapped"]) * peak["page_bytes"]
     peak_rss = max(s["rss"] for s in samples + [kv["after_burst"]])
     print(f"SGLang {version}: page ids mapped {base['mapped']} -> peak {peak['mapped']} "
-          f"(used tokens {peak.get('used_tokens')}) -> held by radix cache "
+          f"(used tokens {peak.get('used_tokens')}) -> idle, cache trimmed "
           f"{kv['after_burst']['mapped']} -> flushed {flushed['mapped']}; scheduler RSS MiB "
           f"{base['rss'] >> 20} -> {peak_rss >> 20} -> {flushed['rss'] >> 20}; "
           f"startup {kv['startup_s']} s")

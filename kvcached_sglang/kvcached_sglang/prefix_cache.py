@@ -1,0 +1,80 @@
+"""Returning prefix-cache memory once SGLang's scheduler goes idle.
+
+SGLang's radix cache keeps every finished request's KV until memory pressure
+evicts it, so with an elastic pool the mapped memory would stay at its peak
+after a burst. When the scheduler is idle (the same moments SGLang runs its
+idle leak check, where :mod:`kvcached_sglang.patches` already hooks in), the
+cached tokens beyond ``KVCACHED_MAX_CACHED_TOKENS`` (default 8192, negative:
+no cap) are evicted through the cache's own ``evict`` (least recently used
+leaves first). The freed slots go back to kvcached, whose emptied pages are
+unmapped after the idle trim. The hot prefixes (the most recent) stay cached.
+
+Only SGLang's plain radix cache over a pool kvcached backs is capped:
+``RadixCache``, and from 0.5.2x the default ``UnifiedRadixCache`` when it holds
+full-attention KV only (no SWA or Mamba component, no hierarchical tier).
+Subclasses with other tiers (LMCache, hierarchical) and static pools keep
+SGLang's behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from kvcached_core.config import max_cached_tokens
+
+from kvcached_sglang.pool import elastic_of
+
+__all__ = ["trim_prefix_cache"]
+
+_log = logging.getLogger("kvcached")
+_failed = False
+#: The tree caches kvcached trims: module -> class name (exact class, no subclass).
+_CACHES = {"sglang.srt.mem_cache.radix_cache": "RadixCache",
+           "sglang.srt.mem_cache.unified_radix_cache": "UnifiedRadixCache"}
+
+
+def trim_prefix_cache(scheduler: Any) -> int:
+    """Evict the idle scheduler's cached tokens beyond the cap; returns the tokens evicted.
+
+    Never raises: trimming the cache is an optimisation, and the caller is
+    SGLang's idle path.
+    """
+    global _failed
+    if _failed:
+        return 0
+    try:
+        return _trim(scheduler)
+    except Exception:  # never disturb SGLang's idle path; say it once, then stop trying
+        _failed = True
+        _log.warning("kvcached: trimming the prefix cache failed; the cache keeps SGLang's "
+                     "own eviction from now on", exc_info=True)
+        return 0
+
+
+def _trim(scheduler: Any) -> int:
+    cap = max_cached_tokens()
+    tree = getattr(scheduler, "tree_cache", None)
+    cls = type(tree)
+    if cap is None or _CACHES.get(cls.__module__) != cls.__name__:
+        return 0
+    if getattr(tree, "cache_controller", None) is not None:  # a hierarchical tier
+        return 0
+    for other in ("supports_swa", "supports_mamba"):
+        probe = getattr(tree, other, None)
+        if probe is not None and probe():
+            return 0
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    get_kvcache = getattr(allocator, "get_kvcache", None)
+    if get_kvcache is None or elastic_of(get_kvcache()) is None:
+        return 0
+    excess = int(tree.evictable_size()) - cap
+    if excess <= 0:
+        return 0
+    params = getattr(sys.modules[cls.__module__], "EvictParams", None)  # 0.5.9+
+    before = int(tree.evictable_size())
+    tree.evict(params(num_tokens=excess) if params is not None else excess)
+    evicted = before - int(tree.evictable_size())
+    _log.debug("kvcached: idle, evicted %d cached tokens beyond %d", evicted, cap)
+    return evicted
