@@ -22,12 +22,18 @@ layout C                   ``...Mixin.on_idle`` (``_report_leak`` split)      0.
 layout D                   ``managers.scheduler:Scheduler.on_idle`` driving
                            ``SchedulerInvariantChecker``                      0.5.13 - 0.5.23
 opt-in busy checks         ``self_check_during_busy`` (mixin / checker)       0.5.6 - 0.5.23
+virtual memory profile     ``model_runner:ModelRunner.profile_max_num_token`` 0.4.9 - 0.5.10
+                           ``ModelRunner._profile_available_bytes``           0.5.11 - 0.5.15
+                           ``kv_cache_configurator:KVCacheConfigurator.``
+                           ``_profile_available_bytes``                       0.5.16 - 0.5.23
 =========================  =================================================  ==================
 
 The leak-check patches run SGLang's own check inside kvcached's leak-check view
 (:mod:`kvcached_sglang.leakcheck`): the KV identity sees logical counts, the
 request-to-token pool check, idle metrics and KV events stay as SGLang wrote
-them. Before wrapping, each patch verifies that the method it wraps still
+them. The same idle entry points first trim the prefix cache of an elastic pool
+to ``KVCACHED_MAX_CACHED_TOKENS`` (:mod:`kvcached_sglang.prefix_cache`), so
+memory returns after a burst. Before wrapping, each patch verifies that the method it wraps still
 contains what the gate expects (for example that ``check_memory`` still holds the
 request-pool check); a surprise fails the patch, which rolls the whole set back
 with the class and release named.
@@ -64,6 +70,17 @@ LEAK_CHECK_LAYOUTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 _BUSY_CHECKS: tuple[tuple[str, str], ...] = (
     (">=0.5.6.dev0,<0.5.13.dev0", f"{_MIXIN}:SchedulerRuntimeCheckerMixin.self_check_during_busy"),
     (">=0.5.13.dev0,<0.5.24.dev0", f"{_CHECKER}:SchedulerInvariantChecker.self_check_during_busy"),
+)
+
+#: Where SGLang sizes the KV pool from free device memory.
+_RUNNER = "sglang.srt.model_executor.model_runner"
+_PROFILES: tuple[tuple[str, str, str], ...] = (
+    ("virtual-profile-tokens", ">=0.4.9.dev0,<0.5.11.dev0",
+     f"{_RUNNER}:ModelRunner.profile_max_num_token"),
+    ("virtual-profile-bytes", ">=0.5.11.dev0,<0.5.16.dev0",
+     f"{_RUNNER}:ModelRunner._profile_available_bytes"),
+    ("virtual-profile-configurator", ">=0.5.16.dev0,<0.5.24.dev0",
+     "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator._profile_available_bytes"),
 )
 
 _MHA_PARAMS = ("size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device")
@@ -137,12 +154,13 @@ def _module_of(fn: Any) -> Any:
 
 def _leak_wrapper(version: Any, needles: tuple[str, ...]) -> Callable[[Callable], Callable]:
     from kvcached_sglang.leakcheck import with_leak_check_view
+    from kvcached_sglang.prefix_cache import trim_prefix_cache
 
     check = _expect_source(version, needles)
 
     def wrap(original: Callable) -> Callable:
         check(original)
-        return with_leak_check_view(original)
+        return with_leak_check_view(original, before=trim_prefix_cache)
 
     return wrap
 
@@ -281,13 +299,23 @@ def build_patches(version: Any) -> list[Patch]:
                 name=f"elastic-token-allocator-{meth}" + ("-pkg" if module.endswith("token") else ""),
                 description="token slots drawn from kvcached blocks"))
 
+    # Memory profile: SGLang's own code, with a view of the device without other processes.
+    from kvcached_sglang.profile import make_virtual_profile
+
+    for name, spec, target in _PROFILES:
+        patches.append(Patch(
+            target, versions=spec, name=name,
+            wrapper=lambda original: make_virtual_profile(original, version),
+            description="KV memory profiled as if the engine had the device to itself"))
+
     # Idle leak check: SGLang's own check in the leak-check view.
     for layout, (spec, target, needles) in LEAK_CHECK_LAYOUTS.items():
         patches.append(Patch(
             target, versions=spec, wrapper=_leak_wrapper(version, needles),
             name=f"leak-check-{layout}",
             description=f"idle leak check (layout {layout}) sees logical KV counts; "
-                        "the request-slot check stays live"))
+                        "the request-slot check stays live; the idle prefix cache is "
+                        "trimmed to KVCACHED_MAX_CACHED_TOKENS"))
     for i, (spec, target) in enumerate(_BUSY_CHECKS):
         patches.append(Patch(
             target, versions=spec, wrapper=_busy_wrapper, name=f"busy-check-{i}",

@@ -97,6 +97,10 @@ def release(version: str) -> None:
     def _leak():
         return check_leak(layout)
 
+    @section("profile")
+    def _profile():
+        return check_profile(det.version)
+
     @section("revert")
     def _revert():
         rev = teardown("sglang")
@@ -440,6 +444,97 @@ def check_leak(layout: str | None) -> dict[str, Any]:
     alloc.free(cached)
     state.close()
     return out
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def single_rank_world() -> None:
+    """SGLang's own process-group setup for one rank (gloo, CPU): what its profile reads."""
+    import socket
+
+    from sglang.srt.distributed import parallel_state as ps
+
+    if getattr(ps, "_WORLD", None) is not None:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ps.initialize_model_parallel(backend="gloo")  # TP = PP = 1 (attention TP from 0.5.9)
+    # Attention TP of one rank, as initialize_dp_attention leaves it without DP attention
+    # (its signature changes from release to release; the values do not).
+    from sglang.srt.layers import dp_attention as dp
+
+    for name, value in (("_ATTN_TP_SIZE", 1), ("_ATTN_TP_RANK", 0), ("_ATTN_DP_SIZE", 1),
+                        ("_ATTN_DP_RANK", 0)):
+        if hasattr(dp, name) and getattr(dp, name) is None:
+            setattr(dp, name, value)
+
+
+def check_profile(version) -> dict[str, Any]:
+    """The release's profiling method, patched, on a runner with a tiny MHA model's geometry.
+
+    Up to 0.5.15 the method lives on ``ModelRunner`` and reads only the runner's fields
+    and SGLang's world group; 0.5.16+ (``KVCacheConfigurator``) reads the launched
+    engine's global state and is run by the engine test instead.
+    """
+    import types
+
+    import psutil
+    import torch
+
+    from kvcached_sglang import profile as kprofile
+    from sglang.srt.model_executor import model_runner as runner_module
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    name = next((n for n in ("profile_max_num_token", "_profile_available_bytes")
+                 if n in dir(ModelRunner)), None)
+    if name is None:
+        return {"skipped": "no profiling method on ModelRunner"}
+    patched = getattr(ModelRunner, name)
+    single_rank_world()
+
+    class Runner(ModelRunner):
+        def __init__(self, **fields):  # only what the profile reads
+            for key, value in fields.items():
+                if isinstance(getattr(ModelRunner, key, None), property):
+                    continue  # computed by SGLang from the model config
+                self.__dict__[key] = value
+
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
+                     num_hidden_layers=2, intermediate_size=256, vocab_size=512,
+                     architectures=["LlamaForCausalLM"])
+    cfg = types.SimpleNamespace(get_num_kv_heads=lambda tp: 2, head_dim=64, context_len=2048,
+                                hf_config=hf, hf_text_config=hf, num_hidden_layers=2,
+                                v_head_dim=64, is_hybrid_swa=False, is_hybrid=False)
+    args = types.SimpleNamespace(page_size=1, enable_hierarchical_cache=False)
+    fields = dict(device="cpu", gpu_id=0, is_draft_worker=False, num_effective_layers=2,
+                  use_mla_backend=False, model_config=cfg, kv_cache_dtype=torch.bfloat16,
+                  mem_fraction_static=0.5, server_args=args, mambaish_config=None,
+                  is_hybrid=False, page_size=1, spec_algorithm=None, tp_size=1, pp_size=1,
+                  # the lazily resolved linear-attention config (0.5.13+): not resolved yet
+                  _linear_attn_registry_cache=getattr(runner_module, "_UNSET", None))
+    pre_load_gib = psutil.virtual_memory().available / (1 << 30)
+    virtual = patched(Runner(**fields), pre_load_gib)
+    seen = dict(kprofile.LAST_PROFILE)
+    real = patched.__wrapped__(Runner(**fields), pre_load_gib)
+    rest = (seen["total_bytes"] - seen["own_bytes"]) / (1 << 30) \
+        - seen["total_bytes"] / (1 << 30) * (1 - 0.5)
+    cell = 2 * 64 * 2 * 2 * 2  # heads x head_dim x layers x (K, V) x bf16
+    expected = int(rest * (1 << 30) // cell) if name == "profile_max_num_token" \
+        else int(rest * (1 << 30))
+    # The same runner with page size 16 keeps SGLang's measured profile.
+    fields.update(server_args=types.SimpleNamespace(page_size=16), page_size=16)
+    kprofile.LAST_PROFILE.clear()
+    static = patched(Runner(**fields), pre_load_gib)
+    return {"method": name, "virtual": virtual, "expected": expected, "real": real,
+            "patched": getattr(patched, "__kvcached_virtual_profile__", False),
+            "recorded": seen.get("method"), "static": static,
+            "static_recorded": bool(kprofile.LAST_PROFILE)}
 
 
 # --------------------------------------------------------------------------- gates

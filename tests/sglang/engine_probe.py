@@ -10,6 +10,8 @@ nothing SGLang computes; it only observes, through class attributes:
 * ``kvcached_sglang.pool.ElasticKV.__init__``: starts a daemon thread that writes the
   pool's own counters (pages in use / reserved / mapped, tokens held) to
   ``<dir>/stats.json`` every 50 ms;
+* ``kvcached_sglang.profile.LAST_PROFILE``: the memory profile kvcached took (in the same
+  ``stats.json``);
 * ``ElasticKV.available_tokens``: counts calls made inside kvcached's leak-check view
   (SGLang's idle check evaluating the pool) and the smallest count reported outside it;
 * ``ReqToTokenPool.free``: once ``<dir>/leak_req_slot`` exists, the next freed request
@@ -54,7 +56,13 @@ def _snapshot() -> dict:
                       "in_use": st.in_use, "reserved": st.reserved, "mapped": st.mapped,
                       "mapped_bytes": st.mapped_bytes, "page_bytes": st.page_bytes,
                       "limit_pages": st.limit_pages, "num_pages": st.num_pages})
-    return {"pid": os.getpid(), "t": time.time(), "pools": pools, **_STATE}
+    try:
+        from kvcached_sglang.profile import LAST_PROFILE
+
+        profile = {k: v for k, v in LAST_PROFILE.items() if isinstance(v, (int, float, str))}
+    except ImportError:
+        profile = {}
+    return {"pid": os.getpid(), "t": time.time(), "pools": pools, "profile": profile, **_STATE}
 
 
 def _writer(out: Path) -> None:

@@ -107,3 +107,16 @@ def test_idle_leak_check(release_report, version):
     assert "memory leak detected" in leak["patched_kv_leak"]
     assert "req_to_token_pool" not in leak["patched_kv_leak"]
     assert "3989" in leak["patched_kv_leak"]
+
+
+def test_memory_profile_is_taken_as_if_alone(release_report, version):
+    """SGLang's own profiling code, run with the device view that leaves other processes out."""
+    prof = _ok(release_report(version)["profile"])
+    if version in ("0.5.23",):  # KVCacheConfigurator: covered by the engine test
+        assert prof == {"skipped": "no profiling method on ModelRunner"}
+        return
+    assert prof["patched"] and prof["recorded"].endswith(prof["method"])
+    # total * mem_fraction_static - own, with total and own as the view read them.
+    assert prof["virtual"] == prof["expected"], prof
+    # A pool kvcached would not back (page size 16 here) keeps SGLang's measured profile.
+    assert prof["static"] <= prof["real"] * 1.05 and not prof["static_recorded"], prof
