@@ -50,6 +50,9 @@ class ElasticBlockPool(BlockPool):
             ``None`` for no cap.
     """
 
+    #: vLLM >= 0.32 sets its own in ``__init__`` (``unpin_blocks`` watchers).
+    _reuse_watchers: dict | None = None
+
     def __init__(
         self,
         *args: Any,
@@ -68,6 +71,10 @@ class ElasticBlockPool(BlockPool):
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
         self.kv_block_manager = block_manager
+        self._kv_alloc = block_manager.alloc  # bound once: the hot path
+        self._kv_free = block_manager.free
+        # vLLM >= 0.32 blocks name their pool (deferred frees may mix pools).
+        self._blocks_know_pool = hasattr(self.null_block, "pool")
         self.max_cached_blocks = max_cached_blocks
         self._resetting = False
 
@@ -79,62 +86,81 @@ class ElasticBlockPool(BlockPool):
         Raises:
             KVPoolExhausted: kvcached cannot back them even after evicting.
         """
-        kv = self.kv_block_manager
-        ids = kv.alloc(num_blocks)
+        ids = self._kv_alloc(num_blocks)  # the hot path: one native call
         if ids is None:
-            queued = self.free_block_queue.num_free_blocks
-            while ids is None and queued:
-                self._evict(max(1, num_blocks - kv.available_size()))
-                ids = kv.alloc(num_blocks)
-                left = self.free_block_queue.num_free_blocks
-                if left == queued:
-                    break
-                queued = left
-            if ids is None:
-                raise KVPoolExhausted(
-                    f"kvcached cannot back {num_blocks} KV blocks now "
-                    f"({kv.available_size()} available; memory limit or device memory)"
-                )
+            ids = self._alloc_evicting(num_blocks)
         blocks = self.blocks
-        ret = [blocks[i] for i in ids]
-        metrics = self.metrics_collector
-        for block in ret:
+        if num_blocks == 1:  # the commonest request (one more block for a decode step)
+            block = blocks[ids[0]]
             block.ref_cnt = 1
-            if metrics:
+            ret = [block]
+        else:
+            ret = [blocks[i] for i in ids]
+            for block in ret:
+                block.ref_cnt = 1
+        metrics = self.metrics_collector
+        if metrics:
+            for block in ret:
                 metrics.on_block_allocated(block)
         return ret
+
+    def _alloc_evicting(self, num_blocks: int) -> list[int]:
+        """Block ids once evictable blocks made room; raises when they cannot."""
+        kv = self.kv_block_manager
+        ids = None
+        queued = self.free_block_queue.num_free_blocks
+        while ids is None and queued:
+            self._evict(max(1, num_blocks - kv.available_size()))
+            ids = kv.alloc(num_blocks)
+            left = self.free_block_queue.num_free_blocks
+            if left == queued:
+                break
+            queued = left
+        if ids is None:
+            raise KVPoolExhausted(
+                f"kvcached cannot back {num_blocks} KV blocks now "
+                f"({kv.available_size()} available; memory limit or device memory)"
+            )
+        return ids
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         """Drop one reference from each block; blocks no longer used go back to kvcached.
 
         Blocks still holding a prefix-cache hash stay mapped as evictable (LRU
-        order as in vLLM) up to ``max_cached_blocks``.
+        order as in vLLM) up to ``max_cached_blocks``. A block still watched
+        by ``unpin_blocks``'s caller is reported reused when it goes back.
         """
         release: list[int] = []
         cached: list[Any] = []
-        others: dict[Any, list[Any]] = {}
+        others: dict[Any, list[Any]] | None = None
         null = self.null_block
         caching = self.enable_caching
+        pooled = self._blocks_know_pool
         for block in ordered_blocks:
-            pool = getattr(block, "pool", None)
-            if pool is not None and pool is not self:
-                others.setdefault(pool, []).append(block)
+            if pooled and block.pool is not self and block.pool is not None:
+                if others is None:
+                    others = {}
+                others.setdefault(block.pool, []).append(block)
                 continue
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and block is not null:
+            if not block.ref_cnt and block is not null:
                 if caching and block.block_hash is not None:
                     cached.append(block)
                 else:
                     release.append(block.block_id)
-        if cached:
-            self.free_block_queue.append_n(cached)
         if release:
-            self.kv_block_manager.free(release)
-        cap = self.max_cached_blocks
-        if cap is not None and self.free_block_queue.num_free_blocks > cap:
-            self._evict(self.free_block_queue.num_free_blocks - cap)
-        for pool, blocks in others.items():
-            pool.free_blocks(blocks)
+            if self._reuse_watchers:
+                self._notify_reuse([self.blocks[i] for i in release])
+            self._kv_free(release)
+        if cached:
+            queue = self.free_block_queue
+            queue.append_n(cached)
+            cap = self.max_cached_blocks
+            if cap is not None and queue.num_free_blocks > cap:
+                self._evict(queue.num_free_blocks - cap)
+        if others:
+            for pool, blocks in others.items():
+                pool.free_blocks(blocks)
 
     def get_num_free_blocks(self) -> int:
         """Blocks ``get_new_blocks`` can hand out now: kvcached's room plus the evictable."""
@@ -182,8 +208,7 @@ class ElasticBlockPool(BlockPool):
         for block in victims:
             queue.remove(block)
             self._maybe_evict_cached_block(block)
-        watchers = getattr(self, "_reuse_watchers", None)
-        if watchers:
+        if self._reuse_watchers:
             self._notify_reuse(victims)
         if victims:
             self.kv_block_manager.free([b.block_id for b in victims])
