@@ -15,6 +15,9 @@ MLA buffers on kvcached    ``memory_pool:MLATokenToKVPool.__init__`` (inline) 0.
                            ``memory_pool:MLATokenToKVPool._create_buffers``   0.5.6 - 0.5.23
 token allocator (page 1)   ``mem_cache.allocator:TokenToKVPoolAllocator.*``   0.4.9 - 0.5.12
                            ``mem_cache.allocator.token:...`` (a package)      0.5.13 - 0.5.23
+paged allocator (page > 1) ``mem_cache.allocator:PagedTokenToKVPoolAllocator`` 0.4.9 - 0.5.12
+                           ``mem_cache.allocator.paged:...``                  0.5.13 - 0.5.15
+                           same, plus ``_release_page_ids`` (free sink)       0.5.23
 idle leak check, layout A  ``managers.scheduler:Scheduler.check_memory``      0.4.9 - 0.5.3
 layout B                   ``scheduler_runtime_checker_mixin:``
                            ``SchedulerRuntimeCheckerMixin.check_memory``      0.5.4 - 0.5.10
@@ -90,7 +93,27 @@ _MLA_PARAMS = ("size", "page_size", "dtype", "kv_lora_rank", "qk_rope_head_dim",
 _MLA_INLINE = ("self.kv_buffer = [", "(size + page_size, 1, ")
 _MLA_FACTORY = ("self.kv_buffer = [", "(self.size + self.page_size, 1, self.kv_cache_dim)")
 _ALLOC_PARAMS = {"__init__": ("size", "dtype", "device", "kvcache"), "alloc": ("need_size",),
-                 "free": ("free_index",), "available_size": (), "clear": ()}
+                 "free": ("free_index",), "available_size": (), "clear": (),
+                 "alloc_extend": ("prefix_lens", "seq_lens"), "alloc_decode": ("seq_lens",),
+                 "_release_page_ids": (), "backup_state": (), "restore_state": ("state",)}
+#: What the paged gates assume of SGLang's source: method -> needles. The kernel
+#: methods take their new pages from the front of ``free_pages``; every free ends
+#: in ``free`` (up to 0.5.15) or ``_release_page_ids`` (0.5.23).
+_PAGED_SOURCE = {
+    "alloc_extend": ("self.free_pages,", "self.free_pages = self.free_pages[num_new_pages:]"),
+    "alloc_decode": ("self.free_pages,", "self.free_pages = self.free_pages[num_new_pages:]"),
+    "free": ("free_index // self.page_size",),
+    "_release_page_ids": ("page_ids",),
+}
+#: Paged-allocator release lines whose every free path kvcached covers:
+#: (specifier, module, extra methods). 0.5.16 - 0.5.22 are left out (not checked);
+#: their paged pools keep SGLang's buffers.
+_PAGED_LINES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    (">=0.4.9.dev0,<0.5.13.dev0", "sglang.srt.mem_cache.allocator", (), ""),
+    (">=0.5.13.dev0,<0.5.16.dev0", "sglang.srt.mem_cache.allocator.paged", (), "-pkg"),
+    (">=0.5.23.dev0,<0.5.24.dev0", "sglang.srt.mem_cache.allocator.paged",
+     ("_release_page_ids",), "-sink"),
+)
 
 
 def leak_check_layout(version: Any) -> str | None:
@@ -236,28 +259,35 @@ def _mla_wrapper(version: Any, inline: bool) -> Callable[[Callable], Callable]:
     return wrap
 
 
-def _allocator_wrapper(version: Any, name: str) -> Callable[[Callable], Callable]:
+def _allocator_wrapper(version: Any, name: str,
+                       cls_name: str = "TokenToKVPoolAllocator") -> Callable[[Callable], Callable]:
     from kvcached_sglang.pool import elastic_allocator_method
 
     def wrap(original: Callable) -> Callable:
-        _expect_params(version, "TokenToKVPoolAllocator", name, _ALLOC_PARAMS[name])(
-            _alloc_module(original)
-        )
+        module = _alloc_module(original, cls_name)
+        _expect_params(version, cls_name, name, _ALLOC_PARAMS[name])(module)
         if name == "alloc":
-            _expect_params(version, "TokenToKVPoolAllocator", "__init__",
-                           _ALLOC_PARAMS["__init__"])(_alloc_module(original))
+            _expect_params(version, cls_name, "__init__", _ALLOC_PARAMS["__init__"])(module)
+        if cls_name == "PagedTokenToKVPoolAllocator" and name in _PAGED_SOURCE:
+            _expect_source(version, _PAGED_SOURCE[name], "paged allocator")(original)
+            if name == "_release_page_ids":
+                cls = getattr(module, cls_name)
+                for sender in ("free_page_ids", "free_group_end"):
+                    _expect_source(version, ("self._release_page_ids(",),
+                                   "paged allocator")(getattr(cls, sender))
         return elastic_allocator_method(name, original)
 
     return wrap
 
 
-def _alloc_module(original: Callable) -> Any:
-    """The module that defines ``TokenToKVPoolAllocator`` (the method may be inherited)."""
+def _alloc_module(original: Callable, cls_name: str = "TokenToKVPoolAllocator") -> Any:
+    """The module that defines ``cls_name`` (the method may be inherited)."""
     import sys
 
-    for name in ("sglang.srt.mem_cache.allocator.token", "sglang.srt.mem_cache.allocator"):
+    for name in ("sglang.srt.mem_cache.allocator.token", "sglang.srt.mem_cache.allocator.paged",
+                 "sglang.srt.mem_cache.allocator"):
         mod = sys.modules.get(name)
-        if mod is not None and hasattr(mod, "TokenToKVPoolAllocator"):
+        if mod is not None and hasattr(mod, cls_name):
             return mod
     return _module_of(original)
 
@@ -266,7 +296,8 @@ def build_patches(version: Any) -> list[Patch]:
     """Every patch of the SGLang adapter; each carries its own release gate."""
     patches: list[Patch] = []
 
-    # Elastic pool buffers (page size 1 for now; other layouts keep SGLang's buffers).
+    # Elastic pool buffers (page size 1, and page size > 1 where the paged allocator is
+    # patched below; other layouts keep SGLang's buffers).
     # MLA: one latent buffer per layer; 0.5.5 builds it inline next to FP4 scale buffers
     # sized from the same ``size``, so 0.5.5 keeps SGLang's MLA buffers.
     buffer_patches = (
@@ -298,6 +329,38 @@ def build_patches(version: Any) -> list[Patch]:
                 wrapper=_allocator_wrapper(version, meth),
                 name=f"elastic-token-allocator-{meth}" + ("-pkg" if module.endswith("token") else ""),
                 description="token slots drawn from kvcached blocks"))
+
+    # Paged allocator (page size > 1): SGLang's kernels over pages kvcached hands out.
+    from kvcached_sglang.pool import PAGED_ALLOCATOR_METHODS
+
+    for spec, module, extra, suffix in _PAGED_LINES:
+        for meth in PAGED_ALLOCATOR_METHODS + extra:
+            patches.append(Patch(
+                f"{module}:PagedTokenToKVPoolAllocator.{meth}", versions=spec,
+                wrapper=_allocator_wrapper(version, meth, "PagedTokenToKVPoolAllocator"),
+                name=f"elastic-paged-allocator-{meth.lstrip('_')}{suffix}",
+                description="whole pages drawn from kvcached blocks; SGLang's kernels lay out "
+                            "the slots"))
+
+    # backup_state / restore_state (speculative decoding): a journal instead of a free-list
+    # snapshot. From 0.5.13 optional: 0.5.23 has no such methods, 0.5.16 - 0.5.22 unchecked.
+    from kvcached_sglang.pool import BACKUP_METHODS
+
+    backup_lines = (
+        (">=0.4.9.dev0,<0.5.13.dev0", "sglang.srt.mem_cache.allocator", True),
+        (">=0.5.13.dev0,<0.5.24.dev0", "sglang.srt.mem_cache.allocator.{}", False),
+    )
+    for spec, module, required in backup_lines:
+        for cls_name, sub in (("TokenToKVPoolAllocator", "token"),
+                              ("PagedTokenToKVPoolAllocator", "paged")):
+            for meth in BACKUP_METHODS:
+                patches.append(Patch(
+                    f"{module.format(sub)}:{cls_name}.{meth}", versions=spec,
+                    wrapper=_allocator_wrapper(version, meth, cls_name), required=required,
+                    name=f"elastic-{sub if sub == 'paged' else 'token'}-allocator-{meth}"
+                         + ("-pkg" if "{}" in module else ""),
+                    description="speculative decoding's backup/restore as a journal of "
+                                "kvcached blocks"))
 
     # Memory profile: SGLang's own code, with a view of the device without other processes.
     from kvcached_sglang.profile import make_virtual_profile

@@ -38,6 +38,9 @@ __all__ = [
     "ElasticKV",
     "elastic_of",
     "ALLOCATOR_METHODS",
+    "PAGED_ALLOCATOR_METHODS",
+    "BACKUP_METHODS",
+    "paged_allocator_elastic",
     "elastic_allocator_method",
     "make_create_buffers",
     "make_mla_create_buffers",
@@ -99,6 +102,7 @@ class ElasticKV:
         self.blocks = KVBlockManager(
             self.pages, block_bytes, num_blocks=self.num_blocks, reserve_null_block=True
         )
+        self._backups: list[set[int]] = []  # open backup_state() journals
         _log.info(
             "kvcached: elastic SGLang %s pool: %d tokens (page %d) x %d layers x %d buffers, "
             "%.1f MiB virtual, backed on demand in %d-byte pages",
@@ -151,15 +155,46 @@ class ElasticKV:
             return []
         if n * self.page_size > self.logical_free_tokens():
             return None
-        return self.blocks.alloc(n)
+        ids = self.blocks.alloc(n)
+        if ids is not None and self._backups:
+            for journal in self._backups:
+                journal.update(ids)
+        return ids
 
     def free_blocks(self, ids: list[int]) -> None:
         if ids:
             self.blocks.free(ids)
+            for journal in self._backups:
+                journal.difference_update(ids)
+
+    # ------------------------------------------------------- backup / restore
+
+    def backup(self) -> set[int]:
+        """Start recording allocations; :meth:`restore` frees what was allocated since.
+
+        SGLang's ``backup_state()`` / ``restore_state()`` (speculative decoding's
+        draft slots) snapshot a static allocator's free list; an elastic pool
+        keeps a journal of the blocks allocated after the backup and not freed.
+        """
+        journal: set[int] = set()
+        self._backups.append(journal)
+        return journal
+
+    def restore(self, journal: set[int]) -> None:
+        """Free the blocks allocated since ``journal``'s backup (once; later calls do nothing)."""
+        if not any(j is journal for j in self._backups):
+            return
+        self._backups = [j for j in self._backups if j is not journal]
+        if journal:
+            ids = sorted(journal)
+            self.blocks.free(ids)
+            for other in self._backups:
+                other.difference_update(ids)
 
     def clear(self) -> None:
         """Free every slot SGLang holds (SGLang's ``allocator.clear()``)."""
         self.blocks.clear()
+        self._backups = []
 
     def close(self) -> None:
         """Stop kvcached's background work for this pool (tests; SGLang never calls it)."""
@@ -197,9 +232,24 @@ def _nhd_eligible(pool: Any) -> str | None:
         return "custom memory pool"
     if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
         return "K and V head dims differ"
-    if pool.page_size != 1:
-        return "page size > 1 (the paged allocator is not elastic yet)"
+    return _paged_reason(pool.page_size)
+
+
+def _paged_reason(page_size: int) -> str | None:
+    if page_size != 1 and not paged_allocator_elastic():
+        return "page size > 1 and this release's paged allocator is not elastic"
     return None
+
+
+def paged_allocator_elastic() -> bool:
+    """Whether kvcached patched this process's ``PagedTokenToKVPoolAllocator``."""
+    import sys
+
+    for name in ("sglang.srt.mem_cache.allocator.paged", "sglang.srt.mem_cache.allocator"):
+        cls = getattr(sys.modules.get(name), "PagedTokenToKVPoolAllocator", None)
+        if cls is not None:
+            return getattr(cls.alloc_extend, "__kvcached_elastic__", False)
+    return False
 
 
 def _open_elastic(pool: Any, dtype: Any, row_elems: int, num_buffers: int, name: str) -> ElasticKV:
@@ -280,9 +330,7 @@ def _mla_reason(kind: type, cls: type, page_size: int, *, dsa: bool, custom_pool
         return "custom memory pool"
     if sharded:
         return "layer-sharded pool"
-    if page_size != 1:
-        return "page size > 1 (the paged allocator is not elastic yet)"
-    return None
+    return _paged_reason(page_size)
 
 
 def _mla_kv_buffer(pool: Any, dim: int) -> None:
@@ -399,13 +447,104 @@ def _blocks_of(state: ElasticKV, slots: Any) -> list[int]:
 
 #: Token-allocator methods kvcached replaces (page size 1).
 ALLOCATOR_METHODS = ("available_size", "alloc", "free", "clear")
+#: Paged-allocator methods kvcached replaces (page size > 1); SGLang's Triton
+#: kernels still lay out the slots, from pages kvcached hands them.
+PAGED_ALLOCATOR_METHODS = ("available_size", "alloc", "alloc_extend", "alloc_decode", "free",
+                           "clear")
+#: Both allocators, releases that snapshot a static free list (speculative decoding).
+BACKUP_METHODS = ("backup_state", "restore_state")
+
+
+def _in_free_group(allocator: Any) -> bool:
+    """Whether SGLang is batching frees (``free_group_begin`` .. ``free_group_end``)."""
+    flag = getattr(allocator, "is_not_in_free_group", None)
+    if flag is not None:  # older releases: a flag beside an always-present list
+        return not flag
+    return getattr(allocator, "free_group", None) is not None  # 0.5.23: the list or None
+
+
+def _new_pages(state: ElasticKV, args: Any, *, decode: bool) -> int:
+    """Pages an ``alloc_extend`` / ``alloc_decode`` call takes (SGLang's own formula)."""
+    import torch
+
+    given = args.get("num_new_pages")
+    if given is not None:
+        return int(given)
+    ps = state.page_size
+    seq = args.get("seq_lens_cpu")
+    seq = (args["seq_lens"] if seq is None else seq).to("cpu", torch.int64)
+    if decode:
+        before = seq - 1
+    else:
+        before = args.get("prefix_lens_cpu")
+        before = (args["prefix_lens"] if before is None else before).to("cpu", torch.int64)
+    return int(((seq + ps - 1) // ps - (before + ps - 1) // ps).sum())
+
+
+def _paged_alloc(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``alloc_extend`` / ``alloc_decode``: SGLang's kernel over pages drawn from kvcached.
+
+    The kernel takes the request's new pages from the front of ``free_pages``
+    and the method drops them from it; kvcached puts exactly the pages needed
+    there for the call and takes back any the kernel left.
+    """
+    import inspect
+
+    sig = inspect.signature(original)
+    decode = name == "alloc_decode"
+    counts = "num_new_pages" in sig.parameters
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state = elastic_of(getattr(self, "_kvcache", None))
+        if state is None:
+            return original(self, *args, **kwargs)
+        import torch
+
+        bound = sig.bind(self, *args, **kwargs)
+        need = _new_pages(state, bound.arguments, decode=decode)
+        blocks = state.alloc_blocks(need)
+        if blocks is None:
+            return None
+        if counts and "num_new_pages" not in bound.arguments:
+            kwargs = {**kwargs, "num_new_pages": need}  # SGLang need not count them again
+        self.free_pages = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        try:
+            out = original(self, *args, **kwargs)
+        except BaseException:
+            self.free_pages = self.free_pages[:0]
+            state.free_blocks(blocks)
+            raise
+        # Pages the kernel did not take go back to kvcached (len() needs no device sync).
+        rest = self.free_pages.tolist() if len(self.free_pages) else []
+        self.free_pages = self.free_pages[:0]
+        if out is None:
+            state.free_blocks(blocks)
+            raise RuntimeError(
+                f"kvcached: SGLang's {name} refused the {len(blocks)} pages its own formula "
+                "asks for; its page accounting no longer matches the kvcached gate")
+        if rest:
+            state.free_blocks(rest)
+        return out
+
+    return method
+
+
+class _Backup:
+    """What an elastic allocator's ``backup_state()`` returns: its open journal."""
+
+    __slots__ = ("journal",)
+
+    def __init__(self, journal: set[int]) -> None:
+        self.journal = journal
 
 
 def elastic_allocator_method(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """The elastic replacement of the token allocator's method ``name``.
 
     Each replacement serves allocators whose pool kvcached backs and calls
-    SGLang's ``original`` for any other allocator.
+    SGLang's ``original`` for any other allocator. The same replacements serve
+    the paged allocator (``alloc`` hands out whole pages; ``free`` frees the
+    pages its slots lie in).
     """
 
     def state_of(self: Any) -> ElasticKV | None:
@@ -436,10 +575,37 @@ def elastic_allocator_method(name: str, original: Callable[..., Any]) -> Callabl
             return original(self, free_index)
         if free_index.numel() == 0:
             return None
-        if getattr(self, "is_not_in_free_group", True):
-            state.free_blocks(_blocks_of(state, free_index))
+        if _in_free_group(self):
+            copy = getattr(self, "_copy_for_free_group", None)
+            self.free_group.append(free_index if copy is None else copy(free_index))
         else:
-            self.free_group.append(free_index)
+            state.free_blocks(_blocks_of(state, free_index))
+        return None
+
+    def release_page_ids(self: Any, *page_ids: Any) -> None:
+        """0.5.23's sink of every paged free (``free_page_ids``, ``free_segment``, groups)."""
+        state = state_of(self)
+        if state is None:
+            return original(self, *page_ids)
+        import torch
+
+        ids = [t.reshape(-1) for t in page_ids if t.numel()]
+        if ids:
+            state.free_blocks(torch.cat(ids).to("cpu", torch.int64).tolist())
+        return None
+
+    def backup_state(self: Any) -> Any:
+        state = state_of(self)
+        if state is None:
+            return original(self)
+        return _Backup(state.backup())
+
+    def restore_state(self: Any, backup: Any) -> None:
+        if not isinstance(backup, _Backup):  # SGLang's own snapshot (a pool kvcached does not back)
+            return original(self, backup)
+        state = state_of(self)
+        if state is not None:
+            state.restore(backup.journal)
         return None
 
     def clear(self: Any) -> None:
@@ -458,8 +624,11 @@ def elastic_allocator_method(name: str, original: Callable[..., Any]) -> Callabl
         "alloc": alloc,
         "free": free,
         "clear": clear,
+        "_release_page_ids": release_page_ids,
+        "backup_state": backup_state,
+        "restore_state": restore_state,
     }
-    fn = made[name]
+    fn = _paged_alloc(name, original) if name in ("alloc_extend", "alloc_decode") else made[name]
     functools.update_wrapper(fn, original)
     fn.__kvcached_elastic__ = True  # type: ignore[attr-defined]
     return fn

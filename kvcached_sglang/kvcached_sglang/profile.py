@@ -92,7 +92,10 @@ def static_reason(obj: Any) -> str | None:
     args = getattr(obj, "server_args", None)
     page = getattr(obj, "page_size", None) or getattr(args, "page_size", 1) or 1
     if page != 1:
-        return f"page size {page}"
+        from kvcached_sglang.pool import paged_allocator_elastic
+
+        if not paged_allocator_elastic():
+            return f"page size {page} (this release's paged allocator is not elastic)"
     for flag in ("is_hybrid", "is_hybrid_swa", "is_hybrid_swa_compress", "is_hybrid_gdn"):
         if getattr(obj, flag, False):
             return f"hybrid model ({flag})"

@@ -118,12 +118,12 @@ def release(version: str) -> None:
         return check_mla_signature_change(before)
 
 
-def make_pool(size: int):
+def make_pool(size: int, page_size: int = 1):
     import torch
     from sglang.srt.mem_cache import memory_pool as mp
 
     pool = call_filtered(
-        mp.MHATokenToKVPool, size=size, page_size=1, dtype=torch.bfloat16, head_num=8,
+        mp.MHATokenToKVPool, size=size, page_size=page_size, dtype=torch.bfloat16, head_num=8,
         head_dim=128, layer_num=2, device="cpu", enable_memory_saver=False, start_layer=None,
         end_layer=None, enable_alt_stream=False, enable_kv_cache_copy=False)
     return pool
@@ -169,6 +169,14 @@ def check_pool() -> dict[str, Any]:
     val = torch.full((5, 8, 128), 3.0, dtype=torch.bfloat16)
     pool.k_buffer[1][idx] = val
     out["readback"] = bool(torch.equal(pool.k_buffer[1][idx], val))
+    if hasattr(alloc, "backup_state"):  # speculative decoding's draft slots, up to 0.5.15
+        before = alloc.available_size()
+        backup = alloc.backup_state()
+        draft = alloc.alloc(7)
+        alloc.free(draft[:2])  # freed inside the window: not freed twice by the restore
+        alloc.restore_state(backup)
+        out["restore_frees_draft"] = alloc.available_size() == before
+        out["restore_kept_older"] = state.used_tokens() == 5
     big = alloc.alloc(1500)  # spans pages
     out["pages_in_use"] = state.pages.stats().in_use
     alloc.free(big)
@@ -176,6 +184,80 @@ def check_pool() -> dict[str, Any]:
     out["available2"] = alloc.available_size()
     out["pages_in_use_after"] = state.pages.stats().in_use
     out["size"] = pool.size
+    state.close()
+    return out
+
+
+def paged_allocator_cls():
+    try:
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    except ImportError:
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    return PagedTokenToKVPoolAllocator
+
+
+def check_paged(ps: int = 16) -> dict[str, Any]:
+    """Page size 16: SGLang's own Triton kernels lay out the slots of pages drawn from kvcached.
+
+    Run by ``_probe.py paged`` under ``TRITON_INTERPRET=1``: this CPU has no Triton backend,
+    and Triton's interpreter runs the same kernels on CPU tensors.
+    """
+    import torch
+
+    from kvcached_sglang.pool import paged_allocator_elastic
+
+    pool = make_pool(4096, page_size=ps)
+    state = getattr(pool, "_kvcached", None)
+    out: dict[str, Any] = {"elastic": state is not None, "patched": paged_allocator_elastic()}
+    if state is None:
+        return out
+    alloc = call_filtered(paged_allocator_cls(), size=pool.size, page_size=ps,
+                          dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
+    out["available0"] = alloc.available_size()
+    first = alloc.alloc(ps)  # request B's cached prefix: 5 tokens of one page
+    # A: 0 -> 32 tokens (2 new pages); B: 5 -> 40 (11 slots in its page, 2 new pages).
+    prefix, seq = torch.tensor([0, 5]), torch.tensor([32, 40])
+    ext = call_filtered(alloc.alloc_extend, prefix_lens=prefix, prefix_lens_cpu=prefix,
+                        seq_lens=seq, seq_lens_cpu=seq, last_loc=torch.tensor([-1, int(first[4])]),
+                        extend_num_tokens=int((seq - prefix).sum()))
+    a, b = ext[:32], ext[32:]
+    held = set(state.blocks.allocated_ids())
+    out["extend"] = {
+        "n": len(ext), "unique": len(set(ext.tolist())) == len(ext),
+        "b_continues_prefix": b[:11].tolist() == first[5:].tolist(),
+        "positions_match": all(int(x) % ps == i % ps for i, x in enumerate(a.tolist()))
+        and all(int(x) % ps == (5 + i) % ps for i, x in enumerate(b.tolist())),
+        "pages_from_kvcached": {int(x) // ps for x in ext.tolist()} <= held,
+        "new_pages": len({int(x) // ps for x in ext.tolist()} - {int(first[0]) // ps}),
+    }
+    out["available1"] = alloc.available_size()
+    val = torch.full((len(ext), 8, 128), 2.0, dtype=torch.bfloat16)
+    pool.k_buffer[0][ext] = val
+    out["readback"] = bool(torch.equal(pool.k_buffer[0][ext], val))
+    # Decode: A's 33rd token opens a page, B's 41st continues its last page.
+    seq2 = torch.tensor([33, 41])
+    dec = call_filtered(alloc.alloc_decode, seq_lens=seq2, seq_lens_cpu=seq2,
+                        last_loc=torch.tensor([int(a[-1]), int(b[-1])]))
+    out["decode"] = {"a_new_page": int(dec[0]) % ps == 0 and int(dec[0]) // ps not in
+                     {int(x) // ps for x in a.tolist()},
+                     "b_next_slot": int(dec[1]) == int(b[-1]) + 1}
+    out["available2"] = alloc.available_size()
+    out["pages_in_use"] = state.pages.stats().in_use
+    alloc.free_group_begin()
+    alloc.free(a)  # A's two full pages
+    out["deferred_in_group"] = alloc.available_size() == out["available2"]
+    alloc.free_group_end()
+    out["freed_at_group_end"] = alloc.available_size() == out["available2"] + 2 * ps
+    rest = torch.cat([first, b, dec])  # B's slots share its first page
+    if hasattr(alloc, "free_page_ids"):  # 0.5.23: page-id frees end in _release_page_ids
+        alloc.free_page_ids(torch.unique(rest // ps))
+        out["via"] = "free_page_ids"
+    else:
+        alloc.free(rest)
+        out["via"] = "free"
+    out["available3"] = alloc.available_size()
+    out["pages_in_use_after"] = state.pages.stats().in_use
+    out["free_pages_left"] = len(alloc.free_pages)
     state.close()
     return out
 
@@ -527,8 +609,8 @@ def check_profile(version) -> dict[str, Any]:
     cell = 2 * 64 * 2 * 2 * 2  # heads x head_dim x layers x (K, V) x bf16
     expected = int(rest * (1 << 30) // cell) if name == "profile_max_num_token" \
         else int(rest * (1 << 30))
-    # The same runner with page size 16 keeps SGLang's measured profile.
-    fields.update(server_args=types.SimpleNamespace(page_size=16), page_size=16)
+    # The same runner with the hierarchical cache (static pools) keeps SGLang's measured profile.
+    fields.update(server_args=types.SimpleNamespace(page_size=1, enable_hierarchical_cache=True))
     kprofile.LAST_PROFILE.clear()
     static = patched(Runner(**fields), pre_load_gib)
     return {"method": name, "virtual": virtual, "expected": expected, "real": real,
@@ -593,10 +675,27 @@ def gates() -> None:
     REPORT["no_module_version"] = {"value": str(det.version), "source": det.source}
 
 
+def paged(version: str) -> None:
+    """The paged allocator after a real bootstrap, its kernels run by Triton's interpreter."""
+    from kvcached_core.plugins import bootstrap
+
+    import sglang
+
+    REPORT["sglang_version"] = sglang.__version__
+    res = bootstrap("sglang", strict=False)
+    REPORT["bootstrap"] = {"status": res.status, "reason": res.reason}
+
+    @section("paged")
+    def _paged():
+        return check_paged()
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "release":
         release(sys.argv[2])
+    elif mode == "paged":
+        paged(sys.argv[2])
     elif mode == "gates":
         gates()
     print("PROBE-JSON " + json.dumps(REPORT, default=str))

@@ -94,6 +94,7 @@ def run_probe(version: str | None, dist_dir: Path, *args: str, timeout: float = 
 
 
 _reports: dict[str, dict[str, Any]] = {}
+_paged_reports: dict[str, dict[str, Any]] = {}
 
 
 @pytest.fixture(scope="session")
@@ -107,5 +108,23 @@ def release_report(dist_record: Path):
                                           KVCACHED_PAGE_SIZE_MB="1", KVCACHED_PREALLOC="0",
                                           KVCACHED_IDLE_TRIM_S="0")
         return _reports[version]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def paged_report(dist_record: Path):
+    """``paged_report(version)``: the paged allocator probe (kernels run by Triton's interpreter)."""
+
+    def get(version: str) -> dict[str, Any]:
+        skip_unless_installed(version)
+        if version not in _paged_reports:
+            _paged_reports[version] = run_probe(
+                version, dist_record, "paged", version, KVCACHED_PAGE_SIZE_MB="1",
+                KVCACHED_PREALLOC="0", KVCACHED_IDLE_TRIM_S="0",
+                # SGLang's paged-allocator kernels are Triton; this CPU has no Triton
+                # backend, Triton's interpreter runs the same kernels on CPU tensors.
+                TRITON_INTERPRET="1")
+        return _paged_reports[version]
 
     return get

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.sglang.conftest import RELEASES
@@ -41,8 +43,14 @@ def test_patch_set_applies_completely(release_report, version):
     assert f"leak-check-{EXPECTED_LAYOUT[version]}" in applied
     assert any(name.startswith("elastic-mha-buffers") for name in applied)
     assert applied & {"elastic-mla-init", "elastic-mla-buffers"} == {EXPECTED_MLA_PATCH[version]}
-    assert {n.rsplit("-pkg", 1)[0] for n in applied if "token-allocator" in n} == {
-        f"elastic-token-allocator-{m}" for m in ("available_size", "alloc", "free", "clear")}
+    backup = set() if version == "0.5.23" else {"backup_state", "restore_state"}
+    assert {re.sub(r"-(pkg|sink)$", "", n) for n in applied if "token-allocator" in n} == {
+        f"elastic-token-allocator-{m}" for m in {"available_size", "alloc", "free", "clear"} | backup}
+    paged = {"available_size", "alloc", "alloc_extend", "alloc_decode", "free", "clear"} | backup
+    if version == "0.5.23":
+        paged.add("release_page_ids")  # the sink of free_page_ids / free_segment / groups
+    assert {re.sub(r"-(pkg|sink)$", "", n) for n in applied if "paged-allocator" in n} == {
+        f"elastic-paged-allocator-{m}" for m in paged}
 
 
 def test_patch_set_reverts_exactly(release_report, version):
@@ -59,6 +67,39 @@ def test_pool_and_allocator_run_on_kvcached(release_report, version):
     assert pool["mapped_grew"] and pool["readback"]
     assert pool["pages_in_use"] >= 3  # 1505 tokens of 2 KiB rows over 1 MiB pages
     assert pool["available2"] == 4096 and pool["pages_in_use_after"] == 1  # null block's page
+    if version != "0.5.23":  # backup_state / restore_state: gone in 0.5.23
+        assert pool["restore_frees_draft"] and pool["restore_kept_older"]
+
+
+#: Releases whose model runner refuses interpreted Triton kernels at import
+#: (``CachedKernel`` asserts a compiled ``JITFunction``), so under ``TRITON_INTERPRET=1``
+#: the patch set cannot import its profile target there.
+INTERPRETER_REJECTED = {"0.5.3", "0.5.4"}
+
+
+def test_paged_allocator_runs_on_kvcached(paged_report, version):
+    """Page size 16 through SGLang's own alloc_extend / alloc_decode kernels."""
+    rep = paged_report(version)
+    if version in INTERPRETER_REJECTED:
+        assert rep["bootstrap"]["status"] == "failed"
+        assert "model_runner" in rep["bootstrap"]["reason"], rep["bootstrap"]
+        pytest.skip(f"SGLang {version} rejects Triton's interpreter; its paged patches apply "
+                    "in test_patch_set_applies_completely")
+    assert rep["bootstrap"]["status"] == "applied", rep["bootstrap"]
+    paged = _ok(rep["paged"])
+    assert paged["elastic"] and paged["patched"]
+    assert paged["available0"] == 4096
+    # 67 slots: A's 32 on 2 new pages; B's 35 continue its 5-token page, then 2 new pages.
+    assert paged["extend"] == {"n": 67, "unique": True, "b_continues_prefix": True,
+                               "positions_match": True, "pages_from_kvcached": True,
+                               "new_pages": 4}
+    assert paged["available1"] == 4096 - 5 * 16 and paged["readback"]
+    assert paged["decode"] == {"a_new_page": True, "b_next_slot": True}
+    assert paged["available2"] == 4096 - 6 * 16
+    assert paged["deferred_in_group"] and paged["freed_at_group_end"]
+    assert paged["via"] == ("free_page_ids" if version == "0.5.23" else "free")
+    assert paged["available3"] == 4096 and paged["free_pages_left"] == 0
+    assert paged["pages_in_use_after"] == 1  # the null block's page
 
 
 def test_changed_mla_signature_rolls_the_set_back(release_report, version):
@@ -118,5 +159,5 @@ def test_memory_profile_is_taken_as_if_alone(release_report, version):
     assert prof["patched"] and prof["recorded"].endswith(prof["method"])
     # total * mem_fraction_static - own, with total and own as the view read them.
     assert prof["virtual"] == prof["expected"], prof
-    # A pool kvcached would not back (page size 16 here) keeps SGLang's measured profile.
+    # A pool kvcached would not back (hierarchical cache here) keeps SGLang's measured profile.
     assert prof["static"] <= prof["real"] * 1.05 and not prof["static_recorded"], prof
