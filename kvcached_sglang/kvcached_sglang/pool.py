@@ -162,6 +162,14 @@ class ElasticKV:
         return ids
 
     def free_blocks(self, ids: list[int]) -> None:
+        """Give blocks back; SGLang's padded slot 0 (kvcached's null block) is never freed.
+
+        SGLang frees slot 0 in places (a window pool's cleared peers read as slot 0),
+        which its static free list tolerates; kvcached ignores it the same way.
+        """
+        null = self.blocks.null_block
+        if null in ids:
+            ids = [i for i in ids if i != null]
         if ids:
             self.blocks.free(ids)
             for journal in self._backups:

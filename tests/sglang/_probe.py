@@ -93,6 +93,10 @@ def release(version: str) -> None:
     def _mla():
         return check_mla_pool()
 
+    @section("swa")
+    def _swa():
+        return check_swa()
+
     @section("leak")
     def _leak():
         return check_leak(layout)
@@ -259,6 +263,79 @@ def check_paged(ps: int = 16) -> dict[str, Any]:
     out["pages_in_use_after"] = state.pages.stats().in_use
     out["free_pages_left"] = len(alloc.free_pages)
     state.close()
+    return out
+
+
+def _find(name: str, modules: tuple[str, ...]):
+    import importlib
+
+    for mod in modules:
+        try:
+            found = getattr(importlib.import_module(mod), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    raise ImportError(f"{name} not in {modules}")
+
+
+def _named_only(cls, forward: dict[str, Any] | None = None, **kwargs):
+    """``cls(**kwargs)`` with the keyword arguments its ``__init__`` names, plus ``forward``
+    when it also takes ``**kwargs``."""
+    params = inspect.signature(cls.__init__).parameters
+    args = {k: v for k, v in kwargs.items() if k in params}
+    if forward and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        args.update(forward)
+    return cls(**args)
+
+
+def check_swa() -> dict[str, Any]:
+    """The sliding-window hybrid pool: both of its MHA pools and both sub-allocators on kvcached."""
+    import torch
+
+    from kvcached_sglang.pool import elastic_of
+
+    mc = "sglang.srt.mem_cache"
+    pool_cls = _find("SWAKVPool", (f"{mc}.swa_memory_pool", f"{mc}.memory_pool"))
+    alloc_cls = _find("SWATokenToKVPoolAllocator",
+                      (f"{mc}.allocator.swa", f"{mc}.swa_memory_pool", f"{mc}.allocator"))
+    mha = dict(dtype=torch.bfloat16, head_num=8, head_dim=128, device="cpu")
+    pool = _named_only(pool_cls, size=4096, size_swa=1024, page_size=1,
+                       swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1],
+                       enable_kvcache_transpose=False, **mha,
+                       # 0.5.3 - 0.5.4 take the MHA pools' arguments through **kwargs
+                       forward=mha)
+    full, swa = (getattr(pool.full_kv_pool, "_kvcached", None),
+                 getattr(pool.swa_kv_pool, "_kvcached", None))
+    out: dict[str, Any] = {"elastic": [full is not None, swa is not None]}
+    if full is None or swa is None:
+        return out
+    out["found_by_wrapper"] = elastic_of(pool) is full
+    alloc = _named_only(alloc_cls, size=4096, size_swa=1024, page_size=1, dtype=torch.bfloat16,
+                        device="cpu", kvcache=pool, need_sort=False)
+    def available():  # (0.4.x's combined available_size is not implemented)
+        return [alloc.full_available_size(), alloc.swa_available_size()]
+
+    out["available0"] = available()
+    idx = alloc.alloc(300)
+    out["after_alloc"] = [full.used_tokens(), swa.used_tokens()]
+    out["mapped"] = [full.mapped_bytes() > 0, swa.mapped_bytes() > 0]
+    layer = pool.full_kv_pool.k_buffer[0]
+    val = torch.full((300, 8, 128), 5.0, dtype=torch.bfloat16)
+    layer[idx] = val
+    out["readback"] = bool(torch.equal(layer[idx], val))
+    alloc.free_swa(idx[:200])  # the window moved past these tokens
+    out["after_free_swa"] = [full.used_tokens(), swa.used_tokens()]
+    if hasattr(alloc, "free_full"):  # 0.5.23: slots without a window peer go to free_full
+        alloc.free_full(idx[:200])
+        alloc.free(idx[200:])
+    else:  # earlier: free() skips the peers free_swa already released
+        alloc.free(idx)
+    out["after_free"] = [full.used_tokens(), swa.used_tokens()]
+    out["available1"] = available()
+    out["pages_in_use"] = [full.pages.stats().in_use, swa.pages.stats().in_use]
+    full.close()
+    swa.close()
     return out
 
 

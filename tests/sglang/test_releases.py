@@ -102,6 +102,18 @@ def test_paged_allocator_runs_on_kvcached(paged_report, version):
     assert paged["pages_in_use_after"] == 1  # the null block's page
 
 
+def test_sliding_window_pools_run_on_kvcached(release_report, version):
+    """SWAKVPool's full and window MHA pools, and SWATokenToKVPoolAllocator's sub-allocators."""
+    swa = _ok(release_report(version)["swa"])
+    assert swa["elastic"] == [True, True] and swa["found_by_wrapper"]
+    assert swa["available0"] == [4096, 1024]  # full, window
+    assert swa["after_alloc"] == [300, 300] and swa["mapped"] == [True, True]
+    assert swa["readback"]
+    assert swa["after_free_swa"] == [300, 100]  # window slots freed, full slots kept
+    assert swa["after_free"] == [0, 0] and swa["available1"] == [4096, 1024]
+    assert swa["pages_in_use"] == [1, 1]  # the null blocks' pages
+
+
 def test_changed_mla_signature_rolls_the_set_back(release_report, version):
     sig = _ok(release_report(version)["mla_signature"])
     assert sig["status"] == "failed" and sig["applied"] == [] and sig["not_restored"] == []
