@@ -63,7 +63,7 @@ ext = Pybind11Extension(
     include_dirs=include_dirs,
     define_macros=macros,
     cxx_std=17,
-    libraries=["dl"],
+    libraries=["dl", "pthread"],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
 )
 

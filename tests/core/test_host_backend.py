@@ -77,6 +77,24 @@ def test_rss_rises_by_mapped_bytes_and_falls_after_unmap():
     assert shrunk <= 0.05 * pages * PAGE, shrunk
 
 
+def test_a_mapped_page_is_backed_before_the_engine_touches_it():
+    """Like a GPU map, mapping fills the page tables (a background populate, so the engine's
+    first touches take no page faults): RSS rises without any access."""
+    import time
+
+    mapper = open_mapper("cpu", PAGE)
+    pages = 32  # 64 MiB
+    vt = mapper.reserve(pages * PAGE)
+    before = rss_bytes()
+    mapper.map([vt], list(range(pages)))
+    deadline = time.monotonic() + 10
+    while rss_bytes() - before < 0.95 * pages * PAGE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rss_bytes() - before >= 0.95 * pages * PAGE
+    mapper.unmap([vt], list(range(pages)))
+    assert rss_bytes() - before <= 0.05 * pages * PAGE
+
+
 def test_recycled_handles_then_trim_returns_memory():
     mapper = open_mapper("cpu", PAGE)
     vt = mapper.reserve(8 * PAGE)
