@@ -97,6 +97,10 @@ def release(version: str) -> None:
     def _swa():
         return check_swa()
 
+    @section("hybrid_linear")
+    def _hybrid_linear():
+        return check_hybrid_linear()
+
     @section("leak")
     def _leak():
         return check_leak(layout)
@@ -336,6 +340,39 @@ def check_swa() -> dict[str, Any]:
     out["pages_in_use"] = [full.pages.stats().in_use, swa.pages.stats().in_use]
     full.close()
     swa.close()
+    return out
+
+
+def check_hybrid_linear() -> dict[str, Any]:
+    """The Mamba / linear-attention hybrid: its full-attention KV pool on kvcached (the
+    per-request state pool stays SGLang's)."""
+    import torch
+
+    from kvcached_sglang.pool import elastic_of
+
+    try:
+        pool_cls = _find("HybridLinearKVPool", ("sglang.srt.mem_cache.memory_pool",))
+    except ImportError:
+        return {"skipped": "no HybridLinearKVPool in this release"}
+    pool = _named_only(pool_cls, size=2048, dtype=torch.bfloat16, page_size=1, head_num=8,
+                       head_dim=128, full_attention_layer_ids=[1, 3],
+                       enable_kvcache_transpose=False, device="cpu", mamba_pool=None)
+    state = elastic_of(pool)
+    out: dict[str, Any] = {"elastic": state is not None and state is pool.full_kv_pool._kvcached}
+    if state is None:
+        return out
+    alloc = make_allocator(pool)
+    out["available0"] = alloc.available_size()
+    idx = alloc.alloc(100)
+    out["used"] = state.used_tokens()
+    buf = pool.get_key_buffer(3)  # global layer 3: the second full-attention layer
+    val = torch.full((100, 8, 128), 7.0, dtype=torch.bfloat16)
+    buf[idx] = val
+    out["readback"] = bool(torch.equal(pool.full_kv_pool.k_buffer[1][idx], val))
+    alloc.free(idx)
+    out["available1"] = alloc.available_size()
+    out["pages_in_use"] = state.pages.stats().in_use
+    state.close()
     return out
 
 

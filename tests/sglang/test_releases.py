@@ -114,6 +114,17 @@ def test_sliding_window_pools_run_on_kvcached(release_report, version):
     assert swa["pages_in_use"] == [1, 1]  # the null blocks' pages
 
 
+def test_linear_attention_hybrid_pool_runs_on_kvcached(release_report, version):
+    """HybridLinearKVPool (Mamba / linear-attention models): the full-attention KV on kvcached."""
+    hyb = _ok(release_report(version)["hybrid_linear"])
+    if version in ("0.4.9.post6", "0.4.10.post2", "0.5.1"):
+        assert hyb == {"skipped": "no HybridLinearKVPool in this release"}
+        return
+    assert hyb["elastic"] and hyb["available0"] == 2048 and hyb["used"] == 100
+    assert hyb["readback"]  # global layer 3 is the full-attention pool's layer 1
+    assert hyb["available1"] == 2048 and hyb["pages_in_use"] == 1
+
+
 def test_changed_mla_signature_rolls_the_set_back(release_report, version):
     sig = _ok(release_report(version)["mla_signature"])
     assert sig["status"] == "failed" and sig["applied"] == [] and sig["not_restored"] == []
