@@ -357,7 +357,7 @@ def build_patches(version: Any) -> list[Patch]:
                 patches.append(Patch(
                     f"{module.format(sub)}:{cls_name}.{meth}", versions=spec,
                     wrapper=_allocator_wrapper(version, meth, cls_name), required=required,
-                    name=f"elastic-{sub if sub == 'paged' else 'token'}-allocator-{meth}"
+                    name=f"elastic-{sub}-allocator-{meth}"
                          + ("-pkg" if "{}" in module else ""),
                     description="speculative decoding's backup/restore as a journal of "
                                 "kvcached blocks"))

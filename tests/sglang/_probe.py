@@ -137,12 +137,24 @@ def make_pool(size: int, page_size: int = 1):
     return pool
 
 
+def _find(name: str, modules: tuple[str, ...]):
+    import importlib
+
+    for mod in modules:
+        try:
+            found = getattr(importlib.import_module(mod), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    raise ImportError(f"{name} not in {modules}")
+
+
+_MC = "sglang.srt.mem_cache"
+
+
 def allocator_cls():
-    try:
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    except ImportError:
-        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-    return TokenToKVPoolAllocator
+    return _find("TokenToKVPoolAllocator", (f"{_MC}.allocator.token", f"{_MC}.allocator"))
 
 
 def make_allocator(pool):
@@ -197,11 +209,7 @@ def check_pool() -> dict[str, Any]:
 
 
 def paged_allocator_cls():
-    try:
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    except ImportError:
-        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-    return PagedTokenToKVPoolAllocator
+    return _find("PagedTokenToKVPoolAllocator", (f"{_MC}.allocator.paged", f"{_MC}.allocator"))
 
 
 def check_paged(ps: int = 16) -> dict[str, Any]:
@@ -270,19 +278,6 @@ def check_paged(ps: int = 16) -> dict[str, Any]:
     return out
 
 
-def _find(name: str, modules: tuple[str, ...]):
-    import importlib
-
-    for mod in modules:
-        try:
-            found = getattr(importlib.import_module(mod), name, None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    raise ImportError(f"{name} not in {modules}")
-
-
 def _named_only(cls, forward: dict[str, Any] | None = None, **kwargs):
     """``cls(**kwargs)`` with the keyword arguments its ``__init__`` names, plus ``forward``
     when it also takes ``**kwargs``."""
@@ -299,10 +294,9 @@ def check_swa() -> dict[str, Any]:
 
     from kvcached_sglang.pool import elastic_of
 
-    mc = "sglang.srt.mem_cache"
-    pool_cls = _find("SWAKVPool", (f"{mc}.swa_memory_pool", f"{mc}.memory_pool"))
+    pool_cls = _find("SWAKVPool", (f"{_MC}.swa_memory_pool", f"{_MC}.memory_pool"))
     alloc_cls = _find("SWATokenToKVPoolAllocator",
-                      (f"{mc}.allocator.swa", f"{mc}.swa_memory_pool", f"{mc}.allocator"))
+                      (f"{_MC}.allocator.swa", f"{_MC}.swa_memory_pool", f"{_MC}.allocator"))
     mha = dict(dtype=torch.bfloat16, head_num=8, head_dim=128, device="cpu")
     pool = _named_only(pool_cls, size=4096, size_swa=1024, page_size=1,
                        swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1],
@@ -351,7 +345,7 @@ def check_hybrid_linear() -> dict[str, Any]:
     from kvcached_sglang.pool import elastic_of
 
     try:
-        pool_cls = _find("HybridLinearKVPool", ("sglang.srt.mem_cache.memory_pool",))
+        pool_cls = _find("HybridLinearKVPool", (f"{_MC}.memory_pool",))
     except ImportError:
         return {"skipped": "no HybridLinearKVPool in this release"}
     pool = _named_only(pool_cls, size=2048, dtype=torch.bfloat16, page_size=1, head_num=8,
