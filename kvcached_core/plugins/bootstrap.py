@@ -143,6 +143,7 @@ def bootstrap(engine: str, *, strict: bool | None = None) -> BootstrapResult:
     with process_lock():
         previous = _results.get(engine)
         if previous is not None:
+            previous = _current(previous)
             return dataclasses.replace(
                 previous, repeated=True, inherited=previous.pid != os.getpid()
             )
@@ -220,10 +221,27 @@ def _bootstrap(engine: str, strict: bool) -> BootstrapResult:
     return BootstrapResult(engine, "applied", pid=os.getpid(), patch_set=applied, **fields)
 
 
+def _current(result: BootstrapResult) -> BootstrapResult:
+    """``result`` with its patch set's state now (deferred patches land or fail later)."""
+    patch_set = _patch_sets.get(result.engine)
+    now = None if patch_set is None else patch_set.result
+    if now is None or now == result.patch_set:
+        return result
+    if now.status == "failed":
+        name, why = now.failed[0]
+        reason = f"patch {name!r} failed: {why}; the patch set was rolled back"
+        return dataclasses.replace(result, status="failed", reason=reason, patch_set=now)
+    return dataclasses.replace(result, patch_set=now)
+
+
 def bootstrap_results() -> dict[str, BootstrapResult]:
-    """The bootstrap outcome of each engine in this process (or inherited from a parent)."""
+    """The bootstrap outcome of each engine in this process (or inherited from a parent).
+
+    Deferred patches count as they stand now: applied once their module was
+    imported, or the set failed and was rolled back.
+    """
     with process_lock():
-        return dict(_results)
+        return {engine: _current(result) for engine, result in _results.items()}
 
 
 def engine_patch_set(engine: str) -> PatchSet | None:

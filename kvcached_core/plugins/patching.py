@@ -30,6 +30,13 @@ Rules that make revert exact:
   them in ``also_rebind`` to patch them too; kvcached warns about copies it
   finds but was not told about, at apply time (when patching a name where it is
   defined) and at revert time (copies that still hold the replacement).
+
+A ``deferred`` patch whose module is not imported yet when the set is applied
+waits for that import (:mod:`~kvcached_core.plugins.import_hooks`) and is applied
+right after the module's body has run, before anything can call into it. A
+process that never imports the module never pays for importing it. The set
+stays all or nothing: a deferred patch that fails then rolls the whole set back
+(strict: the import raises :class:`~kvcached_core.errors.PatchError`).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from packaging.version import Version
 
 from kvcached_core.env import env_bool
 from kvcached_core.errors import PatchError
+from kvcached_core.plugins import import_hooks
 from kvcached_core.plugins._process import process_lock
 from kvcached_core.plugins.records import (
     PatchPlan,
@@ -136,6 +144,8 @@ class Patch:
             ``replacement``); revert deletes it again.
         also_rebind: Further ``"module:name"`` bindings that hold the original
             (``from X import Y`` copies) and must receive the new value too.
+        deferred: When the target module is not imported yet, apply the patch
+            right after it is (see the module docs) instead of importing it.
         description: One line for ``kvctl doctor``.
         plugin: The contributing plugin (filled in by kvcached).
         distribution: The plugin's distribution (filled in by kvcached).
@@ -152,6 +162,7 @@ class Patch:
     required: bool = True
     create: bool = False
     also_rebind: Sequence[str] = ()
+    deferred: bool = False
     description: str = ""
     plugin: str | None = field(default=None, compare=False)
     distribution: str | None = field(default=None, compare=False)
@@ -471,6 +482,24 @@ def _error_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, PatchError) else f"{type(exc).__name__}: {exc}"
 
 
+def _apply_each(
+    patches: Iterable[Patch], skipped: list[tuple[str, str]]
+) -> tuple[list[_Applied], tuple[Patch, str] | None]:
+    """Apply ``patches`` in order until a required one fails; note skips in ``skipped``."""
+    applied: list[_Applied] = []
+    for patch in patches:
+        try:
+            applied.append(_apply_one(patch))
+        except _Skip as exc:
+            skipped.append((patch.name, str(exc)))
+        except Exception as exc:
+            if not patch.required:
+                skipped.append((patch.name, f"optional patch not applied: {_error_text(exc)}"))
+                continue
+            return applied, (patch, _error_text(exc))
+    return applied, None
+
+
 class PatchSet:
     """An ordered group of patches for one engine, applied all or nothing.
 
@@ -501,6 +530,9 @@ class PatchSet:
         self._patches: list[Patch] = []
         self._applied: list[_Applied] | None = None
         self._result: PatchSetResult | None = None
+        self._waiting: dict[str, list[Patch]] = {}  # module -> deferred patches
+        self._version: Version | None = None
+        self._strict = False
         self.extend(patches)
 
     def __repr__(self) -> str:
@@ -519,7 +551,11 @@ class PatchSet:
 
     @property
     def result(self) -> PatchSetResult | None:
-        """The result of the apply that put the set in place, if it is in place."""
+        """Where the last apply stands: its result, updated as deferred patches land.
+
+        ``None`` before any apply and after a revert; a deferred patch that
+        failed leaves the failed result here (and the set rolled back).
+        """
         return self._result
 
     def extend(self, patches: Iterable[Patch]) -> None:
@@ -558,9 +594,15 @@ class PatchSet:
         version = None if version is None else parse_version(version)
         applied = set() if self._applied is None else {a.patch.name for a in self._applied}
         plans = []
+        waiting = {p.name: p._module for ps in self._waiting.values() for p in ps}
         for patch in self._patches:
             if patch.name in applied:
                 plans.append(dataclasses.replace(patch.plan(version), verdict="applied", reason=""))
+            elif patch.name in waiting:
+                reason = f"applies when {waiting[patch.name]!r} is imported"
+                plans.append(
+                    dataclasses.replace(patch.plan(version), verdict="deferred", reason=reason)
+                )
             else:
                 plans.append(patch.plan(version, resolve=resolve))
         return plans
@@ -610,41 +652,84 @@ class PatchSet:
         return result
 
     def _apply(self, version: Version, strict: bool) -> PatchSetResult:
-        applied: list[_Applied] = []
+        matching: list[Patch] = []
         skipped: list[tuple[str, str]] = []
-        failure: tuple[Patch, str] | None = None
         for patch in self._patches:
-            if not patch.matches(version):
+            if patch.matches(version):
+                matching.append(patch)
+            else:
                 skipped.append(
                     (patch.name, f"version {version} not in {_spec_text(patch.versions)}")
                 )
-                continue
-            try:
-                applied.append(_apply_one(patch))
-            except _Skip as exc:
-                skipped.append((patch.name, str(exc)))
-            except Exception as exc:
-                if not patch.required:
-                    skipped.append((patch.name, f"optional patch not applied: {_error_text(exc)}"))
-                    continue
-                failure = (patch, _error_text(exc))
-                break
-        warnings = tuple(w for a in applied for w in a.warnings)
+        later = [p for p in matching if p.deferred and p._module not in sys.modules]
+        now = [p for p in matching if p not in later]
+        self._version, self._strict = version, strict
+        applied, failure = _apply_each(now, skipped)
+        waiting: dict[str, list[Patch]] = {}
+        for patch in later if failure is None else ():
+            waiting.setdefault(patch._module, []).append(patch)
+        for module in list(waiting):  # a module an applied patch imported meanwhile
+            if failure is None and module in sys.modules:
+                done, failure = _apply_each(waiting.pop(module), skipped)
+                applied.extend(done)
+        if failure is not None:
+            return self._fail(failure, applied, skipped)
 
-        if failure is None:
-            result = PatchSetResult(
-                engine=self.engine,
-                version=str(version),
-                status="applied" if applied else "skipped",
-                applied=tuple(a.patch.name for a in applied),
-                skipped=tuple(skipped),
-                warnings=warnings,
+        deferred = tuple(p.name for ps in waiting.values() for p in ps)
+        result = PatchSetResult(
+            engine=self.engine,
+            version=str(version),
+            status="applied" if applied or deferred else "skipped",
+            applied=tuple(a.patch.name for a in applied),
+            skipped=tuple(skipped),
+            deferred=deferred,
+            warnings=tuple(w for a in applied for w in a.warnings),
+        )
+        if applied or deferred:
+            self._applied, self._result, self._waiting = applied, result, waiting
+            for module in waiting:
+                import_hooks.when_imported(module, self._on_import)  # not imported: checked above
+        _log.log(logging.WARNING if result.warnings else logging.INFO, result.summary())
+        return result
+
+    def _on_import(self, module: ModuleType) -> None:
+        """Apply the deferred patches of ``module``, just imported (all or nothing for the set)."""
+        with process_lock():
+            patches = self._waiting.pop(module.__name__, [])
+            if not patches or self._applied is None or self._result is None:
+                return
+            skipped: list[tuple[str, str]] = []
+            done, failure = _apply_each(patches, skipped)
+            applied = self._applied + done
+            if failure is not None:
+                self._fail(failure, applied, list(self._result.skipped) + skipped)
+                return
+            self._applied = applied
+            self._result = dataclasses.replace(
+                self._result,
+                applied=self._result.applied + tuple(a.patch.name for a in done),
+                deferred=tuple(p.name for ps in self._waiting.values() for p in ps),
+                skipped=self._result.skipped + tuple(skipped),
+                warnings=self._result.warnings + tuple(w for a in done for w in a.warnings),
             )
-            if applied:
-                self._applied, self._result = applied, result
-            _log.log(logging.WARNING if warnings else logging.INFO, result.summary())
-            return result
+            _log.log(
+                logging.WARNING if self._result.warnings else logging.INFO,
+                "%s (deferred patches applied on import of %s)",
+                self._result.summary(),
+                module.__name__,
+            )
 
+    def _fail(
+        self,
+        failure: tuple[Patch, str],
+        applied: list[_Applied],
+        skipped: list[tuple[str, str]],
+    ) -> PatchSetResult:
+        """Roll back every applied patch, forget deferred ones, record and log the failure.
+
+        Raises:
+            PatchError: The set was applied strictly.
+        """
         patch, reason = failure
         failed = [(patch.name, f"{reason} ({patch.owner})" if patch.plugin else reason)]
         rolled_back = []
@@ -655,22 +740,30 @@ class PatchSet:
                 conflicts = [f"rollback failed: {_error_text(exc)}"]
             rolled_back.append(done.patch.name)
             failed.extend((done.patch.name, c) for c in conflicts)
+        self._forget_waiting()
         result = PatchSetResult(
             engine=self.engine,
-            version=str(version),
+            version=str(self._version),
             status="failed",
             skipped=tuple(skipped),
             failed=tuple(failed),
             rolled_back=tuple(rolled_back),
-            warnings=warnings,
+            warnings=tuple(w for a in applied for w in a.warnings),
         )
+        self._applied, self._result = None, result
         _log.warning(result.summary())
-        if strict:
+        if self._strict:
             raise PatchError(
-                f"{patch.describe()} failed: {reason}; the {self.engine} {version} patch set was "
-                "rolled back and KVCACHED_STRICT=1 refuses to run the engine without kvcached"
+                f"{patch.describe()} failed: {reason}; the {self.engine} {self._version} patch "
+                "set was rolled back and KVCACHED_STRICT=1 refuses to run the engine without "
+                "kvcached"
             )
         return result
+
+    def _forget_waiting(self) -> None:
+        for module in self._waiting:
+            import_hooks.cancel(module, self._on_import)
+        self._waiting = {}
 
     def revert(self) -> RevertResult:
         """Undo the applied patches in reverse order, exactly.
@@ -682,7 +775,9 @@ class PatchSet:
         Logs one line. Reverting a set that is not applied does nothing.
         """
         with process_lock():
+            self._forget_waiting()
             if self._applied is None:
+                self._result = None
                 return RevertResult()
             restored: list[str] = []
             conflicts: list[tuple[str, str]] = []

@@ -252,7 +252,8 @@ class PatchPlan:
         required: Whether a failure of this patch fails the whole set.
         plugin: The plugin that contributed it.
         distribution: That plugin's distribution.
-        verdict: ``"applied"`` (in place in this process), ``"would-apply"``,
+        verdict: ``"applied"`` (in place in this process), ``"deferred"``
+            (waits for its module to be imported in this process), ``"would-apply"``,
             ``"skip"`` (version outside its range, or unknown) or
             ``"unresolvable"`` (its target cannot be found; only when targets
             are resolved).
@@ -266,7 +267,7 @@ class PatchPlan:
     required: bool
     plugin: str | None
     distribution: str | None
-    verdict: Literal["applied", "would-apply", "skip", "unresolvable"]
+    verdict: Literal["applied", "deferred", "would-apply", "skip", "unresolvable"]
     reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -281,7 +282,7 @@ class PatchSetResult:
     Attributes:
         engine: The engine the set patches.
         version: The engine version it was applied for (``None`` if unknown).
-        status: ``"applied"`` (at least one patch in place, none failed),
+        status: ``"applied"`` (at least one patch in place or deferred, none failed),
             ``"skipped"`` (nothing matched the version) or ``"failed"`` (a
             required patch failed and the whole set was rolled back).
         applied: Names of the patches now in place.
@@ -289,6 +290,7 @@ class PatchSetResult:
         failed: ``(name, reason)`` of the patch that failed (and of any
             rollback step that failed too).
         rolled_back: Names of the patches undone after a failure, in undo order.
+        deferred: Names of the deferred patches still waiting for their module.
         warnings: Stale ``from X import Y`` aliases and similar findings.
         repeated: ``True`` when the set was already applied and this call did nothing.
     """
@@ -300,6 +302,7 @@ class PatchSetResult:
     skipped: tuple[tuple[str, str], ...] = ()
     failed: tuple[tuple[str, str], ...] = ()
     rolled_back: tuple[str, ...] = ()
+    deferred: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     repeated: bool = False
 
@@ -314,6 +317,8 @@ class PatchSetResult:
             f"kvcached: {self.engine} {self.version or 'unknown version'} patch set: "
             f"{len(self.applied)} applied, {len(self.skipped)} skipped, {len(self.failed)} failed"
         )
+        if self.deferred:
+            line += f", {len(self.deferred)} waiting for their module's import"
         if self.failed:
             name, reason = self.failed[0]
             line += f"; {name}: {reason}; rolled back {len(self.rolled_back)}, engine left vanilla"
@@ -331,6 +336,7 @@ class PatchSetResult:
             "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
             "failed": [{"name": n, "reason": r} for n, r in self.failed],
             "rolled_back": list(self.rolled_back),
+            "deferred": list(self.deferred),
             "warnings": list(self.warnings),
             "repeated": self.repeated,
         }

@@ -35,6 +35,45 @@ def test_every_gated_patch_resolves_on_this_vllm():
     assert len({"elastic-allocate-kv-cache", "elastic-allocate-kv-cache-tensors"} & applied) == 1
 
 
+_FRONT_END = """
+import json, sys
+import vllm
+from vllm import LLM  # what the API process has loaded when vLLM calls the entry point
+from kvcached_vllm.entry import register
+from kvcached_core.plugins import bootstrap_results
+register()
+worker = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_model_runner")
+before = bootstrap_results()["vllm"]
+loaded = [m for m in worker if m in sys.modules]
+import vllm.v1.worker.cpu_worker  # a worker process: vLLM imports its worker class
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+after = bootstrap_results()["vllm"]
+print(json.dumps({"status": before.status, "loaded": loaded,
+                  "deferred": before.patch_set.deferred, "applied": after.patch_set.applied,
+                  "left": after.patch_set.deferred,
+                  "wrapped": hasattr(GPUModelRunner.initialize_kv_cache_tensors, "__wrapped__")}))
+"""
+
+
+def test_worker_patches_wait_for_vllm_to_import_the_worker():
+    """The API process and engine core never import worker modules for kvcached's sake."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FRONT_END], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "KVCACHED_ENABLED": "1",
+                                            "KVCACHED_STRICT": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["status"] == "applied" and out["loaded"] == []
+    assert {"elastic-kv-tensors", "cpu-virtual-kv-budget"} <= set(out["deferred"])
+    assert {"elastic-kv-tensors", "cpu-virtual-kv-budget"} <= set(out["applied"])
+    assert "elastic-block-pool" in out["left"]  # scheduler side: the engine core imports it
+    assert out["wrapped"] and "elastic-kv-tensors" not in out["left"]
+
+
 def test_unsupported_version_runs_vanilla_and_strict_refuses():
     reset_bootstrap()
     try:
