@@ -42,6 +42,7 @@ Results go to benchmarks/results/vllm-cpu.json with the command line.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -82,40 +83,55 @@ def median(xs):
 
 
 def engine_child(args: argparse.Namespace) -> None:
-    """One engine: init time, warm-up, timed generate calls, token ids; JSON to stdout file."""
+    """One engine serving the parent's commands over a connection, until ``finish``.
+
+    Commands: ``("warmup",)``, ``("round", r)`` (one timed generate call on
+    batch ``r``), ``("finish",)`` (kvcached: one more burst, then the shrink
+    and map-latency measurements; then the engine shuts down).
+    """
+    from multiprocessing.connection import Client
+
     from vllm import LLM, SamplingParams
 
+    conn = Client(args.address, authkey=args.namespace.encode())
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, **ENGINE_KW)
-    init_s = time.perf_counter() - t0
-    llm.generate(prompts(8, args.prompt_len, seed=999), params, use_tqdm=False)  # warm-up
+    conn.send({"init_s": time.perf_counter() - t0})
     mon = None
-    if args.enabled:
-        from kvcached_vllm.monitor import KVMemoryMonitor
 
-        mon = KVMemoryMonitor(args.namespace, page_bytes=PAGE * NUM_LAYERS)
-        mon.read()  # connected before the last burst ends
-    rounds, ids = [], None
-    for r in range(args.rounds):
-        batch = prompts(args.prompts, args.prompt_len, seed=r)  # distinct: no prefix hits
+    def generate(seed: int) -> tuple[float, list]:
+        batch = prompts(args.prompts, args.prompt_len, seed=seed)  # distinct: no prefix hits
         t = time.perf_counter()
         out = llm.generate(batch, params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        gen = sum(len(o.outputs[0].token_ids) for o in out)
-        rounds.append({"seconds": dt, "generated_tokens": gen,
-                       "prompt_tokens": args.prompts * args.prompt_len})
-        if ids is None:
-            ids = [list(o.outputs[0].token_ids) for o in out]
-    burst_end = time.perf_counter()
-    result = {"init_s": init_s, "rounds": rounds, "token_ids": ids}
-    if mon is not None:
-        result["shrink"] = shrink_after_burst(mon, args.namespace, burst_end)
-        mon.close()
-        result["map_latency"] = map_latency(args.namespace, args.map_samples)
-    Path(args.child_out).write_text(json.dumps(result))
-    llm.llm_engine.engine_core.shutdown()
-    os._exit(0)  # do not wait on vLLM's teardown; the parent only needs the file
+        return time.perf_counter() - t, out
+
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "warmup":
+            llm.generate(prompts(8, args.prompt_len, seed=999), params, use_tqdm=False)
+            if args.enabled:
+                from kvcached_vllm.monitor import KVMemoryMonitor
+
+                mon = KVMemoryMonitor(args.namespace, page_bytes=PAGE * NUM_LAYERS)
+                mon.read()  # connected before the last burst ends
+            conn.send({})
+        elif cmd[0] == "round":
+            dt, out = generate(cmd[1])
+            conn.send({"seconds": dt,
+                       "generated_tokens": sum(len(o.outputs[0].token_ids) for o in out),
+                       "token_ids": [list(o.outputs[0].token_ids) for o in out]})
+        else:
+            result = {}
+            if mon is not None:
+                generate(args.rounds)  # the burst the shrink is watched after
+                burst_end = time.perf_counter()
+                result["shrink"] = shrink_after_burst(mon, args.namespace, burst_end)
+                mon.close()
+                result["map_latency"] = map_latency(args.namespace, args.map_samples)
+            conn.send(result)
+            llm.llm_engine.engine_core.shutdown()
+            os._exit(0)  # do not wait on vLLM's teardown
 
 
 def shrink_after_burst(mon, ns: str, burst_end: float, watch_s: float = 4.0) -> dict:
@@ -167,50 +183,98 @@ def map_latency(ns: str, n: int) -> dict:
     return {"map": maps, "unmap": unmaps, "mapped_pages_after_run": mapped}
 
 
-def run_engine(model: Path, enabled: bool, args: argparse.Namespace) -> dict:
-    ns = f"bench-{uuid.uuid4().hex[:8]}"
-    out = Path(tempfile.mkstemp(prefix="bench-vllm-", suffix=".json")[1])
-    env = dict(os.environ, KVCACHED_ENABLED="1" if enabled else "0",
-               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
-    if enabled:
-        env.update(KVCACHED_IPC_NAME=ns, KVCACHED_STRICT="1")
-    cmd = [sys.executable, __file__, "--_child", "--model", str(model), "--child-out", str(out),
-           "--namespace", ns, "--enabled", str(int(enabled))]
-    for k in ("prompts", "prompt_len", "max_tokens", "rounds", "max_num_seqs", "map_samples"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 or not out.stat().st_size:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"engine run (kvcached={enabled}) failed with {proc.returncode}")
-    res = json.loads(out.read_text())
-    out.unlink()
-    res["process_s"] = time.perf_counter() - t0
-    return res
+class Engine:
+    """An engine in a child process of its own, driven over a connection."""
+
+    def __init__(self, model: Path, enabled: bool, args: argparse.Namespace) -> None:
+        from multiprocessing.connection import Listener
+
+        ns = f"bench-{uuid.uuid4().hex[:8]}"
+        self.name = "kvcached" if enabled else "vanilla"
+        self.log = tempfile.TemporaryFile(mode="w+")
+        address = os.path.join(tempfile.mkdtemp(prefix="bench-vllm-"), "conn")
+        env = dict(os.environ, KVCACHED_ENABLED="1" if enabled else "0",
+                   VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        if enabled:
+            env.update(KVCACHED_IPC_NAME=ns, KVCACHED_STRICT="1")
+        cmd = [sys.executable, __file__, "--_child", "--model", str(model), "--address", address,
+               "--namespace", ns, "--enabled", str(int(enabled))]
+        for k in ("prompts", "prompt_len", "max_tokens", "rounds", "max_num_seqs", "map_samples"):
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        preexec = None
+        cores = sorted(os.sched_getaffinity(0))
+        if args.pin and len(cores) >= 2:  # the worker computes alone on the first core
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[0])
+            preexec = functools.partial(os.sched_setaffinity, 0, cores[1:])
+        with Listener(address, authkey=ns.encode()) as listener:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                         preexec_fn=preexec)
+            self.conn = listener.accept()
+        self.init_s = self.recv()["init_s"]
+
+    def recv(self) -> dict:
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.wait(timeout=60)
+            self.log.seek(0)
+            sys.stderr.write(self.log.read()[-8000:])
+            raise SystemExit(f"{self.name} engine failed with {self.proc.returncode}") from None
+
+    def call(self, *cmd) -> dict:
+        self.conn.send(cmd)
+        return self.recv()
+
+    def finish(self) -> dict:
+        result = self.call("finish")
+        self.proc.wait(timeout=120)
+        self.log.close()
+        return result
 
 
 def bench_engines(model: Path, args: argparse.Namespace) -> dict:
+    """Both engines live at once; their timed rounds alternate (ABBA) with a pause before each."""
     runs: dict[str, list[dict]] = {"vanilla": [], "kvcached": []}
-    order = []
+    start_order = []
     for rep in range(args.reps):
-        pair = ["vanilla", "kvcached"] if rep % 2 == 0 else ["kvcached", "vanilla"]
-        for name in pair:
-            res = run_engine(model, name == "kvcached", args)
-            runs[name].append(res)
-            order.append(name)
-            tps = [r["generated_tokens"] / r["seconds"] for r in res["rounds"]]
-            print(f"rep {rep} {name:<9} init {res['init_s']:6.2f} s   generate "
-                  f"{sum(r['seconds'] for r in res['rounds']):6.2f} s   "
-                  f"{median(tps):8.1f} tok/s", flush=True)
+        names = ["vanilla", "kvcached"] if rep % 2 == 0 else ["kvcached", "vanilla"]
+        start_order += names
+        engines = {name: Engine(model, name == "kvcached", args) for name in names}
+        rounds: dict[str, list[dict]] = {name: [] for name in names}
+        for engine in engines.values():
+            engine.call("warmup")
+        for r in range(args.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                time.sleep(args.pause)  # the other engine's worker leaves vLLM's busy-wait
+                rounds[name].append(engines[name].call("round", r))
+        for name in names:
+            runs[name].append({"init_s": engines[name].init_s, "rounds": rounds[name],
+                               "token_ids": rounds[name][0]["token_ids"],
+                               **engines[name].finish()})
+        line = [f"rep {rep}"]
+        for name in ("vanilla", "kvcached"):
+            res = runs[name][-1]
+            secs = sum(r["seconds"] for r in res["rounds"])
+            toks = sum(r["generated_tokens"] for r in res["rounds"])
+            line.append(f"{name} init {res['init_s']:6.2f} s generate {secs:6.2f} s "
+                        f"{toks / secs:8.1f} tok/s")
+        print("   ".join(line), flush=True)
 
     ref = runs["vanilla"][0]["token_ids"]
     identical = all(r["token_ids"] == ref for rs in runs.values() for r in rs)
+    for rs in runs.values():
+        for res in rs:
+            del res["token_ids"]
+            for r in res["rounds"]:
+                del r["token_ids"]
 
-    def per_run(name):  # one figure per engine: its generated tokens over its generate time
-        return [sum(r["generated_tokens"] for r in res["rounds"])
-                / sum(r["seconds"] for r in res["rounds"]) for res in runs[name]]
+    def tok_s(rounds):
+        return sum(r["generated_tokens"] for r in rounds) / sum(r["seconds"] for r in rounds)
 
-    tps = {k: per_run(k) for k in runs}
+    tps = {k: [tok_s(res["rounds"]) for res in runs[k]] for k in runs}
+    total = {k: tok_s([r for res in runs[k] for r in res["rounds"]]) for k in runs}
+    round_ratios = [tok_s([a]) / tok_s([b]) for kv, va in zip(runs["kvcached"], runs["vanilla"])
+                    for a, b in zip(kv["rounds"], va["rounds"])]
     init = {k: [res["init_s"] for res in runs[k]] for k in runs}
     sample = runs["vanilla"][0]["rounds"][0]
     out = {
@@ -219,14 +283,21 @@ def bench_engines(model: Path, args: argparse.Namespace) -> dict:
                      "max_num_seqs": args.max_num_seqs, "greedy": True, "ignore_eos": True,
                      "engine_kwargs": ENGINE_KW, "warmup": "8 other prompts once per engine",
                      "generated_tokens_per_call": sample["generated_tokens"]},
-        "order": order,
+        "method": "per rep both engines live (separate processes, started one after the other "
+                  "in start_order); their generate calls alternate ABBA, each after a "
+                  f"{args.pause} s pause; throughput = all generated tokens / all generate time",
+        "pinning": ("worker OMP threads on the first core (VLLM_CPU_OMP_THREADS_BIND), front end "
+                    "and engine core on the other cores, both configurations") if args.pin
+                   else "none (vLLM's automatic binding)",
+        "start_order": start_order,
         "tokens_identical": identical,
-        "throughput_ratio": round(median(tps["kvcached"]) / median(tps["vanilla"]), 3),
+        "throughput_ratio": round(total["kvcached"] / total["vanilla"], 3),
+        "round_ratio_median": round(median(round_ratios), 3),
         "init_time_ratio": round(median(init["kvcached"]) / median(init["vanilla"]), 3),
-        "throughput_tok_s": {k: {"median": round(median(v), 1), "runs": [round(x, 1) for x in v]}
-                             for k, v in tps.items()},
-        "generate_s_per_engine": {k: [round(sum(r["seconds"] for r in res["rounds"]), 2)
-                                      for res in runs[k]] for k in runs},
+        "throughput_tok_s": {k: {"all_rounds": round(total[k], 1),
+                                 "per_rep": [round(x, 1) for x in v]} for k, v in tps.items()},
+        "per_rep_ratio": [round(a / b, 3) for a, b in zip(tps["kvcached"], tps["vanilla"])],
+        "round_ratios": [round(x, 3) for x in round_ratios],
         "init_s": {k: {"median": round(median(v), 2), "runs": [round(x, 2) for x in v]}
                    for k, v in init.items()},
     }
@@ -358,7 +429,13 @@ def bench_pools(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=6, help="engine runs per configuration")
+    ap.add_argument("--reps", type=int, default=6, help="engine pairs (one of each, both live)")
+    ap.add_argument("--pin", type=int, default=1,
+                    help="1: each engine's worker computes on the first core (vLLM's "
+                         "VLLM_CPU_OMP_THREADS_BIND), its front end and engine core run on the "
+                         "others; the same for both configurations")
+    ap.add_argument("--pause", type=float, default=1.2,
+                    help="seconds before each timed generate call (past vLLM's 1 s busy-wait)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -373,7 +450,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm-cpu.json"))
     ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
     ap.add_argument("--namespace", help=argparse.SUPPRESS)
     ap.add_argument("--enabled", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -35,6 +35,7 @@ logging.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from kvcached_core.allocator.page_allocator import PageAllocator
@@ -44,6 +45,13 @@ from kvcached_core.errors import KVCachedConfigError
 __all__ = ["KVBlockManager"]
 
 MiB = 1 << 20
+
+#: How long :meth:`KVBlockManager.available_size` reuses the page allocator's
+#: count of pages it could still hand out. Schedulers ask once per request per
+#: step; this manager's own page changes and a new memory limit refresh it at
+#: once, device memory that other processes take or free shows within this
+#: many seconds.
+AVAILABLE_PAGES_TTL_S = 0.002
 
 
 class KVBlockManager:
@@ -104,6 +112,9 @@ class KVBlockManager:
         # under the GIL; the lock only serialises growing by whole pages.
         self._table = _native.BlockTable(starts, caps, n)
         self._grow_lock = threading.Lock()
+        self._pages_left = 0  # page_allocator.available_pages(), read ...
+        self._pages_left_until = 0.0  # ... until this time.monotonic() (0: stale) ...
+        self._pages_left_limit = -1  # ... and while its limit_changes is this
 
         self._null_block: int | None = None
         if reserve_null_block:
@@ -210,9 +221,18 @@ class KVBlockManager:
 
         Free blocks in held pages, plus whole pages the page allocator can give
         (memory limit and device memory allowing), each counted at the
-        smallest capacity a page may have, so the figure is never optimistic.
+        smallest capacity a page may have. This manager's own allocations and
+        frees and a new memory limit show at once; device memory other
+        processes take shows within ``AVAILABLE_PAGES_TTL_S`` (until then
+        :meth:`alloc` may return ``None`` although this figure allowed it).
         """
-        return self._table.available(self._pa.available_pages())
+        now = time.monotonic()
+        pa = self._pa
+        if now >= self._pages_left_until or pa.limit_changes != self._pages_left_limit:
+            self._pages_left_limit = pa.limit_changes
+            self._pages_left = pa.available_pages()
+            self._pages_left_until = now + AVAILABLE_PAGES_TTL_S
+        return self._table.available(self._pages_left)
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` block ids, or ``None`` when there is no space (nothing changes then)."""
@@ -221,6 +241,7 @@ class KVBlockManager:
             return out
         table = self._table
         with self._grow_lock:
+            self._pages_left_until = 0.0  # pages change hands: count them again
             while True:
                 out = table.alloc(n)
                 if out is not None:
@@ -248,6 +269,7 @@ class KVBlockManager:
         release = self._table.free(block_ids)
         if release:
             self._pa.free_pages(release)
+            self._pages_left_until = 0.0
 
     def allocated_ids(self) -> list[int]:
         """Blocks handed out by :meth:`alloc` and not freed, ascending (no null block)."""

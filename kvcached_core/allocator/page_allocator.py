@@ -227,6 +227,8 @@ class PageAllocator:
         self._n_broken = 0
         self._limit_pages = n
         self._limit_bytes: int | None = None
+        #: Bumped on every memory-limit change (lets callers cache available_pages()).
+        self.limit_changes = 0
 
         self._gpu = kv_tensors.device.is_gpu
         self._headroom = util
@@ -486,6 +488,7 @@ class PageAllocator:
                 )
             lowered = pages < self._limit_pages
             self._limit_pages = pages
+            self.limit_changes += 1
             self._limit_bytes = limit_bytes
             drop = self._pop_reserve_locked(self._mapped_locked() - pages)
         if drop:
