@@ -687,10 +687,13 @@ class PatchSet:
         )
         if applied or deferred:
             self._applied, self._result, self._waiting = applied, result, waiting
-            for module in waiting:
-                import_hooks.when_imported(module, self._on_import)  # not imported: checked above
         _log.log(logging.WARNING if result.warnings else logging.INFO, result.summary())
-        return result
+        for module in list(waiting):
+            if not import_hooks.when_imported(module, self._on_import):
+                self._on_import(sys.modules[module])  # another thread imported it just now
+        if not (applied or deferred):
+            return result
+        return self._result or result  # as it stands once a late import landed (or failed)
 
     def _on_import(self, module: ModuleType) -> None:
         """Apply the deferred patches of ``module``, just imported (all or nothing for the set)."""
