@@ -15,8 +15,11 @@ load from other processes on the machine hits both alike:
    engine drift on a shared VM (10-20 %) then hits both alike. With ``--pin``
    (default) each worker computes alone on the first core
    (``VLLM_CPU_OMP_THREADS_BIND``), front ends and engine cores on the others.
-   The generated token ids of every engine are compared with the first
-   vanilla one (``tokens_identical``).
+   With ``--control`` (default) a second vanilla engine joins every rep and
+   the call order runs through all permutations; its ratio to the first
+   vanilla engine (``control_ratio``) is the harness's own reading when
+   nothing differs. The generated token ids of every engine are compared
+   with the first vanilla one (``tokens_identical``).
 2. Engine init: seconds from the ``LLM(...)`` call to its return (engine core
    and worker started, KV cache allocated), same engines.
 3. Block pool alloc+free cycles per second, no engine, one process: vLLM's
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import itertools
 import json
 import os
 import random
@@ -235,26 +239,32 @@ class Engine:
 
 
 def bench_engines(model: Path, args: argparse.Namespace) -> dict:
-    """Both engines live at once; their timed rounds alternate (ABBA) with a pause before each."""
-    runs: dict[str, list[dict]] = {"vanilla": [], "kvcached": []}
+    """The engines of a rep live at once; their timed rounds rotate with a pause before each.
+
+    With ``--control`` a second vanilla engine runs beside them: its ratio to
+    the first (``control_ratio``) is what this harness reads when nothing differs.
+    """
+    slots = ["vanilla", "kvcached"] + (["control"] if args.control else [])
+    runs: dict[str, list[dict]] = {name: [] for name in slots}
     start_order = []
+    orders = list(itertools.permutations(slots)) if args.control else [slots, slots[::-1]]
     for rep in range(args.reps):
-        names = ["vanilla", "kvcached"] if rep % 2 == 0 else ["kvcached", "vanilla"]
+        names = slots[rep % len(slots):] + slots[:rep % len(slots)]
         start_order += names
         engines = {name: Engine(model, name == "kvcached", args) for name in names}
         rounds: dict[str, list[dict]] = {name: [] for name in names}
         for engine in engines.values():
             engine.call("warmup")
         for r in range(args.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                time.sleep(args.pause)  # the other engine's worker leaves vLLM's busy-wait
+            for name in orders[(r + rep) % len(orders)]:
+                time.sleep(args.pause)  # the other engines' workers leave vLLM's busy-wait
                 rounds[name].append(engines[name].call("round", r))
         for name in names:
             runs[name].append({"init_s": engines[name].init_s, "rounds": rounds[name],
                                "token_ids": rounds[name][0]["token_ids"],
                                **engines[name].finish()})
         line = [f"rep {rep}"]
-        for name in ("vanilla", "kvcached"):
+        for name in slots:
             res = runs[name][-1]
             secs = sum(r["seconds"] for r in res["rounds"])
             toks = sum(r["generated_tokens"] for r in res["rounds"])
@@ -285,8 +295,9 @@ def bench_engines(model: Path, args: argparse.Namespace) -> dict:
                      "max_num_seqs": args.max_num_seqs, "greedy": True, "ignore_eos": True,
                      "engine_kwargs": ENGINE_KW, "warmup": "8 other prompts once per engine",
                      "generated_tokens_per_call": sample["generated_tokens"]},
-        "method": "per rep both engines live (separate processes, started one after the other "
-                  "in start_order); their generate calls alternate ABBA, each after a "
+        "method": "per rep all engines live (separate processes, started one after the other "
+                  "in start_order); the order of their generate calls changes every round "
+                  "(ABBA, or all permutations with the control), each after a "
                   f"{args.pause} s pause; throughput = all generated tokens / all generate time",
         "pinning": ("worker OMP threads on the first core (VLLM_CPU_OMP_THREADS_BIND), front end "
                     "and engine core on the other cores, both configurations") if args.pin
@@ -299,6 +310,10 @@ def bench_engines(model: Path, args: argparse.Namespace) -> dict:
         "throughput_tok_s": {k: {"all_rounds": round(total[k], 1),
                                  "per_rep": [round(x, 1) for x in v]} for k, v in tps.items()},
         "per_rep_ratio": [round(a / b, 3) for a, b in zip(tps["kvcached"], tps["vanilla"])],
+        **({"control_ratio": round(total["control"] / total["vanilla"], 3),
+            "control_per_rep_ratio": [round(a / b, 3)
+                                      for a, b in zip(tps["control"], tps["vanilla"])]}
+           if "control" in runs else {}),
         "round_ratios": [round(x, 3) for x in round_ratios],
         "init_s": {k: {"median": round(median(v), 2), "runs": [round(x, 2) for x in v]}
                    for k, v in init.items()},
@@ -436,6 +451,8 @@ def main(argv=None) -> int:
                     help="1: each engine's worker computes on the first core (vLLM's "
                          "VLLM_CPU_OMP_THREADS_BIND), its front end and engine core run on the "
                          "others; the same for both configurations")
+    ap.add_argument("--control", type=int, default=1,
+                    help="1: a second vanilla engine in every rep, as the harness's own A/A")
     ap.add_argument("--pause", type=float, default=1.2,
                     help="seconds before each timed generate call (past vLLM's 1 s busy-wait)")
     ap.add_argument("--prompts", type=int, default=32)
@@ -479,6 +496,7 @@ def main(argv=None) -> int:
     e = result.get("engine", {})
     result["headline"] = {
         "throughput_ratio": e.get("throughput_ratio"),
+        "control_ratio": e.get("control_ratio"),
         "init_time_ratio": e.get("init_time_ratio"),
         "alloc_free_ops_ratio": result["block_pool"]["alloc_free_ops_ratio"],
         "tokens_identical": e.get("tokens_identical"),
