@@ -212,41 +212,46 @@ def _is_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def _deferred(target: str, **fields: Any) -> Patch:
+    """A patch that lands when vLLM imports its module (see the module docs)."""
+    return Patch(target, deferred=True, **fields)
+
+
 def build_patches(version: Any) -> list[Patch]:
     """The patches for the running vLLM (each gated by its own specifier)."""
     patches: list[Patch] = []
     if _is_cpu():
-        patches.append(Patch(
+        patches.append(_deferred(
             "vllm.v1.worker.cpu_worker:get_memory_node_info", versions=ALL,
             wrapper=wrap_memory_node_info, name="cpu-virtual-kv-budget",
             description="KV budget not pinned by the memory free at start"))
     else:
-        patches.append(Patch(
+        patches.append(_deferred(
             "vllm.v1.worker.gpu_worker:request_memory", versions=ALL,
             wrapper=wrap_request_memory, name="gpu-virtual-kv-budget",
             description="the start-up free-memory check sees the whole device"))
     patches += [
-        Patch("vllm.v1.engine.core:get_kv_cache_configs", versions=ALL,
+        _deferred("vllm.v1.engine.core:get_kv_cache_configs", versions=ALL,
               wrapper=wrap_get_kv_cache_configs, name="page-aligned-kv-blocks",
               description="block counts that keep every layer region page-aligned"),
-        Patch("vllm.v1.core.sched.scheduler:Scheduler.__init__", versions=ALL,
+        _deferred("vllm.v1.core.sched.scheduler:Scheduler.__init__", versions=ALL,
               wrapper=wrap_scheduler_init, name="elastic-scheduler-setup",
               description="kvcached setup with the scheduler's TP/PP sizes"),
-        Patch("vllm.v1.core.kv_cache_coordinator:BlockPool", versions=ALL,
+        _deferred("vllm.v1.core.kv_cache_coordinator:BlockPool", versions=ALL,
               wrapper=wrap_block_pool, name="elastic-block-pool",
               description="the KV cache coordinator builds an ElasticBlockPool"),
-        Patch("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", versions=ALL,
+        _deferred("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", versions=ALL,
               wrapper=wrap_allocate_slots, name="exhaustion-is-a-miss",
               description="kvcached pool exhaustion -> allocate_slots returns None"),
-        Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors",
+        _deferred("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors",
               versions=ALL, wrapper=wrap_initialize_kv_cache_tensors, name="elastic-kv-tensors",
               description="KV views on kvcached virtual memory, worker map/unmap listener"),
-        Patch("vllm.v1.worker.gpu_model_runner:allocate_kv_cache", versions=V029,
+        _deferred("vllm.v1.worker.gpu_model_runner:allocate_kv_cache", versions=V029,
               wrapper=_wrap_allocation, name="elastic-allocate-kv-cache",
               description="allocate_kv_cache's backing buffer reserved by kvcached"),
-        Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors",
+        _deferred("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors",
               versions=BEFORE_V029, wrapper=_wrap_allocation,
               name="elastic-allocate-kv-cache-tensors",
               description="per-layer KV buffers reserved by kvcached"),
     ]
-    return [dataclasses.replace(p, deferred=True) for p in patches]
+    return patches
