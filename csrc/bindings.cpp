@@ -8,6 +8,7 @@
 #include "backend.h"
 #include "block_table_type.h"
 #include "page_mapper.h"
+#include "page_server.h"
 #include "raw_timing.h"
 
 namespace py = pybind11;
@@ -137,6 +138,58 @@ PYBIND11_MODULE(_native, m) {
           "(free, total) bytes of the device.")
       .def("synchronize", &PageMapper::synchronize,
            py::call_guard<py::gil_scoped_release>());
+
+  py::class_<PageServer, std::shared_ptr<PageServer>>(
+      m, "PageServer",
+      "Applies map / unmap / query requests of KV groups to a page mapper, and answers "
+      "them on an IPC socket without the GIL (csrc/page_server.h).")
+      .def(py::init<PageMapper, std::size_t>(), py::arg("mapper"), py::arg("pool_keep"))
+      .def(
+          "add_group",
+          [](PageServer& self, std::uint32_t group,
+             const std::vector<std::pair<std::shared_ptr<VirtualTensor>,
+                                         std::vector<std::int64_t>>>& tensors,
+             std::size_t num_pages) {
+            std::vector<ServedTensor> served;
+            for (const auto& t : tensors) served.push_back(ServedTensor{t.first, t.second});
+            self.add_group(group, std::move(served), num_pages);
+          },
+          py::arg("group"), py::arg("tensors"), py::arg("num_pages"),
+          "Group `group`: page p is page base + p of each (tensor, bases) entry.")
+      .def("has_group", &PageServer::has_group, py::arg("group"))
+      .def(
+          "apply",
+          [](PageServer& self, const std::string& op, std::uint32_t group,
+             const std::vector<std::int64_t>& pages) {
+            PageOp code;
+            if (op == "map") {
+              code = PageOp::kMap;
+            } else if (op == "unmap") {
+              code = PageOp::kUnmap;
+            } else if (op == "query") {
+              code = PageOp::kQuery;
+            } else {
+              throw py::value_error("unknown operation '" + op + "'");
+            }
+            py::gil_scoped_release release;
+            return self.apply(code, group, pages);
+          },
+          py::arg("op"), py::arg("group"), py::arg("pages"),
+          "'map', 'unmap' or 'query' pages of a group; query returns the mapped ones.")
+      .def(
+          "serve",
+          [](PageServer& self, int fd) {
+            std::string frame;
+            {
+              py::gil_scoped_release release;
+              frame = self.serve(fd);
+            }
+            return py::bytes(frame);
+          },
+          py::arg("fd"),
+          "Answers page requests on socket `fd`; returns the first frame left to the "
+          "caller, or b'' once the peer closed.")
+      .def_property_readonly("served", &PageServer::served);
 
   if (!add_block_table_type(m.ptr())) throw py::error_already_set();
 

@@ -17,14 +17,18 @@ one :class:`WorkerListener` after it has created its KV tensors::
 A daemon thread accepts any number of persistent connections; each
 connection gets a daemon thread of its own that blocks in ``recv`` (one
 system call per request, no polling), and handler calls are serialised by one
-lock, so the handler never runs concurrently with itself. ``hello`` and ``ping`` are
-answered by the listener itself; ``map``, ``unmap`` and ``query`` go to the
-handler. Whatever the handler raises becomes an error reply carrying the
-exception's type and message (with status ``OUT_OF_MEMORY`` for a
+lock, so the handler never runs concurrently with itself. ``hello`` and
+``ping`` are answered by the listener itself; ``map``, ``unmap`` and ``query``
+go to the handler. Whatever the handler raises becomes an error reply carrying
+the exception's type and message (with status ``OUT_OF_MEMORY`` for a
 ``MemoryError``, such as the mapper's ``DeviceOutOfMemoryError``), and the
-listener carries on. A connection that
-sends a malformed frame is answered with ``BAD_REQUEST`` and dropped; only
-peers running as the same user (or root) are accepted.
+listener carries on. A connection that sends a malformed frame is answered with
+``BAD_REQUEST`` and dropped; only peers running as the same user (or root) are
+accepted.
+
+A worker can add a native :class:`~kvcached_core._native.PageServer`
+(``server=``): the connection threads then wait in it, outside the GIL, and it
+answers page requests itself; everything else still comes here.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from pathlib import Path
 
 from kvcached_core.errors import IPCError, ProtocolError
 from kvcached_core.ipc import paths
-from kvcached_core.ipc.protocol import OPS, Message, MsgType, Status, encode_reply, read_message
+from kvcached_core.ipc.protocol import (OPS, Message, MsgType, Status, decode, encode_reply,
+                                         read_message)
 
 __all__ = ["Handler", "MapperHandler", "WorkerListener", "peer_credentials"]
 
@@ -117,6 +122,13 @@ class WorkerListener:
         rank: This worker's tensor-parallel rank, reported in the handshake.
         pp_stage: This worker's pipeline stage, reported in the handshake.
         label: Free text reported in the handshake (e.g. ``"vllm worker cuda:1"``).
+        server: Optional ``kvcached_core._native.PageServer`` doing what
+            ``handler`` does for its KV groups: it then reads the connections
+            and answers their map / unmap / query requests without the GIL (a
+            worker computing in Python holds the GIL most of the time, which
+            delayed each request by milliseconds). Frames it leaves (handshake,
+            ping, other groups, malformed frames, failed requests) reach this
+            listener and ``handler`` as without it.
     """
 
     def __init__(
@@ -127,9 +139,11 @@ class WorkerListener:
         rank: int,
         pp_stage: int = 0,
         label: str = "",
+        server: Any = None,
     ) -> None:
         self._path = paths.check_socket_path(path)
         self._handler = handler
+        self._server = server
         self.rank = rank
         self.pp_stage = pp_stage
         self.label = label
@@ -142,7 +156,7 @@ class WorkerListener:
         self._conns_lock = threading.Lock()
         self._handler_lock = threading.Lock()
         self._stopping = False
-        self.requests_served = 0
+        self._handled = 0
         self.handler_errors = 0
 
     @classmethod
@@ -155,10 +169,16 @@ class WorkerListener:
         pp_stage: int = 0,
         base: str | os.PathLike[str] | None = None,
         label: str = "",
+        server: Any = None,
     ) -> WorkerListener:
         """A listener at the standard socket path of ``(namespace, pp_stage, rank)``."""
         path = paths.socket_path(namespace, rank, pp_stage, base)
-        return cls(path, handler, rank=rank, pp_stage=pp_stage, label=label)
+        return cls(path, handler, rank=rank, pp_stage=pp_stage, label=label, server=server)
+
+    @property
+    def requests_served(self) -> int:
+        """Map / unmap / query requests handled (by the handler or the native server)."""
+        return self._handled + (self._server.served if self._server is not None else 0)
 
     @property
     def path(self) -> Path:
@@ -335,9 +355,19 @@ class WorkerListener:
                 conn.close()
 
     def _serve_one(self, conn: socket.socket) -> bool:
-        """Answer one request; ``False`` when the connection should be dropped."""
+        """Answer one request; ``False`` when the connection should be dropped.
+
+        With a native server, it answers page requests itself (without the
+        GIL) and hands back the first frame it leaves to this listener.
+        """
         try:
-            msg = read_message(conn)
+            if self._server is not None:
+                frame = self._server.serve(conn.fileno())
+                if not frame:
+                    return False
+                msg = decode(frame)
+            else:
+                msg = read_message(conn)
         except EOFError:
             return False
         except ProtocolError as exc:
@@ -358,7 +388,7 @@ class WorkerListener:
             return encode_reply(msg.type, msg.request_id, msg.group,
                                 values=(self.rank, self.pp_stage, os.getpid()), text=self.label)
         with self._handler_lock:
-            self.requests_served += 1
+            self._handled += 1
             try:
                 result = self._handler(OPS[msg.type], msg.group, msg.values)  # type: ignore[arg-type]
                 return encode_reply(msg.type, msg.request_id, msg.group,

@@ -12,7 +12,9 @@ After allocation the views are checked against kvcached's page geometry (block
 ``b`` of every layer at ``region + b * block_bytes``); a backend whose layout does
 not match fails the engine start naming the backend. Then a
 :class:`~kvcached_core.ipc.WorkerListener` starts: the scheduler maps and
-unmaps pages through it.
+unmaps pages through it. Its connections are served by a native
+``PageServer`` that answers page requests without the GIL, so a map does not
+wait for the worker's Python code between model steps.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ElasticKVBacking:
         self.mapper = open_mapper(str(device), self.page_size)
         self.buffers: list[tuple[Any, Any]] = []  # (VirtualTensor, torch tensor)
         self._targets: list[tuple[Any, list[int]]] = []
+        self.server: Any = None  # the native PageServer: map / unmap / query
         self.listener: Any = None
         self.backend_name = "?"
 
@@ -101,6 +104,10 @@ class ElasticKVBacking:
                     "KV cache tensors"
                 )
             self._targets = [(vt, [0]) for vt, _ in self.buffers]
+        from kvcached_core import _native
+
+        self.server = _native.PageServer(self.mapper, 2 * geo.num_regions)
+        self.server.add_group(0, self._targets, geo.num_pages)
 
     def check_views(self, kv_caches: dict[str, Any], backend: str) -> None:
         """Fail loudly unless every layer view puts block ``b`` at ``region + b * block_bytes``.
@@ -135,40 +142,16 @@ class ElasticKVBacking:
 
     # ------------------------------------------------------------ map / unmap
 
-    def page_indices(self, pages: list[int]) -> list[tuple[Any, list[int]]]:
-        """``(virtual tensor, mapper page indices)`` that back kvcached pages ``pages``."""
-        return [(vt, [b + p for b in bases for p in pages]) for vt, bases in self._targets]
-
     def handle(self, op: str, group: int, pages: list[int]) -> list[int] | None:
-        """The :class:`~kvcached_core.ipc.WorkerListener` handler: map, unmap, query."""
+        """The :class:`~kvcached_core.ipc.WorkerListener` handler: map, unmap, query.
+
+        The same operations as the native server answers on the socket (it
+        leaves failing requests to this handler, which raises their error).
+        """
         if group != 0:
             raise LookupError(f"no KV group {group} in this worker (only group 0)")
-        if op == "map":
-            done: list[tuple[Any, list[int]]] = []
-            try:
-                for vt, idx in self.page_indices(pages):
-                    self.mapper.map([vt], idx)
-                    done.append((vt, idx))
-            except BaseException:
-                for vt, idx in done:
-                    with contextlib.suppress(Exception):
-                        self.mapper.unmap([vt], idx)
-                raise
-        elif op == "unmap":
-            for vt, idx in self.page_indices(pages):
-                self.mapper.unmap([vt], idx, True)
-            self.mapper.trim_pool(self._pool_keep)
-        elif op == "query":
-            vt, bases = self._targets[0]
-            wanted = pages or range(self.geometry.num_pages)
-            return [p for p in wanted if vt.is_mapped(bases[0] + p)]
-        else:
-            raise ValueError(f"unknown operation {op!r}")
-        return None
-
-    @property
-    def _pool_keep(self) -> int:
-        return 2 * self.geometry.num_regions
+        result = self.server.apply(op, group, pages)
+        return result if op == "query" else None
 
     def mapped_bytes(self) -> int:
         """Bytes of KV memory mapped in this worker."""
@@ -183,7 +166,7 @@ class ElasticKVBacking:
         rank, stage = _parallel_ranks()
         self.listener = WorkerListener.for_namespace(
             instance_namespace(vllm_config), rank=rank, pp_stage=stage, handler=self.handle,
-            label=f"vllm worker {self.mapper.backend}",
+            server=self.server, label=f"vllm worker {self.mapper.backend}",
         ).start()
         log.info("kvcached: worker tp=%d pp=%d serves KV pages at %s (%d pages x %d regions, "
                  "backend %s)", rank, stage, self.listener.path, self.geometry.num_pages,

@@ -1,0 +1,228 @@
+#include "page_server.h"
+
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace kvcached {
+
+namespace {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "the IPC protocol is little-endian; this build reads it natively");
+
+// kvcached_core/ipc/protocol.py, version 1.
+constexpr char kMagic[4] = {'K', 'V', 'C', 'I'};
+constexpr std::uint8_t kVersion = 1;
+constexpr std::size_t kHeaderSize = 28;
+constexpr std::uint8_t kReplyBit = 0x80;
+constexpr std::uint32_t kMaxCount = 1u << 24;
+constexpr std::uint32_t kMaxText = 64 * 1024;
+
+struct Header {
+  std::uint8_t type;
+  std::uint16_t status;
+  std::uint64_t request_id;
+  std::uint32_t group;
+  std::uint32_t count;
+  std::uint32_t text_len;
+};
+
+Header unpack(const char* p) {
+  Header h;
+  h.type = static_cast<std::uint8_t>(p[5]);
+  std::memcpy(&h.status, p + 6, 2);
+  std::memcpy(&h.request_id, p + 8, 8);
+  std::memcpy(&h.group, p + 16, 4);
+  std::memcpy(&h.count, p + 20, 4);
+  std::memcpy(&h.text_len, p + 24, 4);
+  return h;
+}
+
+void pack_reply(std::string& out, const Header& req, const std::vector<std::int64_t>& values) {
+  const std::uint8_t type = req.type | kReplyBit;
+  const std::uint16_t status = 0;
+  const std::uint32_t count = static_cast<std::uint32_t>(values.size());
+  const std::uint32_t text_len = 0;
+  out.resize(kHeaderSize + 8 * values.size());
+  char* p = out.data();
+  std::memcpy(p, kMagic, 4);
+  p[4] = static_cast<char>(kVersion);
+  p[5] = static_cast<char>(type);
+  std::memcpy(p + 6, &status, 2);
+  std::memcpy(p + 8, &req.request_id, 8);
+  std::memcpy(p + 16, &req.group, 4);
+  std::memcpy(p + 20, &count, 4);
+  std::memcpy(p + 24, &text_len, 4);
+  if (!values.empty()) std::memcpy(p + kHeaderSize, values.data(), 8 * values.size());
+}
+
+// Reads up to n bytes; fewer only when the peer closed or the socket failed.
+std::size_t read_full(int fd, char* buf, std::size_t n) {
+  std::size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::recv(fd, buf + got, n - got, 0);
+    if (r > 0) {
+      got += static_cast<std::size_t>(r);
+    } else if (r < 0 && errno == EINTR) {
+      continue;
+    } else {
+      break;
+    }
+  }
+  return got;
+}
+
+bool write_full(int fd, const char* buf, std::size_t n) {
+  while (n > 0) {
+    ssize_t w = ::send(fd, buf, n, MSG_NOSIGNAL);
+    if (w > 0) {
+      buf += w;
+      n -= static_cast<std::size_t>(w);
+    } else if (w < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+PageServer::PageServer(PageMapper mapper, std::size_t pool_keep)
+    : mapper_(std::move(mapper)), pool_keep_(pool_keep) {}
+
+void PageServer::add_group(std::uint32_t group, std::vector<ServedTensor> tensors,
+                           std::size_t num_pages) {
+  if (tensors.empty()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "KV group " + std::to_string(group) + " has no tensors");
+  }
+  for (const auto& t : tensors) {
+    if (!t.tensor || t.bases.empty()) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "KV group " + std::to_string(group) + ": a tensor without page bases");
+    }
+    for (std::int64_t b : t.bases) {
+      if (b < 0 || static_cast<std::size_t>(b) + num_pages > t.tensor->num_pages()) {
+        throw Error(ErrorKind::kInvalidArgument,
+                    "KV group " + std::to_string(group) + ": pages " + std::to_string(b) +
+                        ".." + std::to_string(b + static_cast<std::int64_t>(num_pages)) +
+                        " do not fit a tensor of " + std::to_string(t.tensor->num_pages()) +
+                        " pages");
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  groups_[group] = Group{std::move(tensors), num_pages};
+}
+
+bool PageServer::has_group(std::uint32_t group) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return groups_.count(group) != 0;
+}
+
+std::vector<std::int64_t> PageServer::apply(PageOp op, std::uint32_t group,
+                                            const std::vector<std::int64_t>& pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = groups_.find(group);
+  if (it == groups_.end()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "no KV group " + std::to_string(group) + " in this worker");
+  }
+  const Group& g = it->second;
+  for (std::int64_t p : pages) {
+    if (p < 0 || static_cast<std::size_t>(p) >= g.num_pages) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "page " + std::to_string(p) + " outside 0.." + std::to_string(g.num_pages - 1));
+    }
+  }
+  auto indices = [&pages](const ServedTensor& t) {
+    std::vector<std::int64_t> idx;
+    idx.reserve(t.bases.size() * pages.size());
+    for (std::int64_t b : t.bases)
+      for (std::int64_t p : pages) idx.push_back(b + p);
+    return idx;
+  };
+  switch (op) {
+    case PageOp::kMap: {
+      std::size_t done = 0;
+      try {
+        for (; done < g.tensors.size(); ++done)
+          mapper_.map({g.tensors[done].tensor}, indices(g.tensors[done]));
+      } catch (...) {
+        for (std::size_t i = 0; i < done; ++i) {
+          try {
+            mapper_.unmap({g.tensors[i].tensor}, indices(g.tensors[i]), true);
+          } catch (...) {
+          }
+        }
+        throw;
+      }
+      return {};
+    }
+    case PageOp::kUnmap:
+      for (const auto& t : g.tensors) mapper_.unmap({t.tensor}, indices(t), true);
+      mapper_.trim_pool(pool_keep_);
+      return {};
+    case PageOp::kQuery: {
+      const ServedTensor& t = g.tensors.front();
+      std::vector<std::int64_t> out;
+      const std::int64_t base = t.bases.front();
+      if (pages.empty()) {
+        for (std::size_t p = 0; p < g.num_pages; ++p)
+          if (t.tensor->is_mapped(base + p)) out.push_back(static_cast<std::int64_t>(p));
+      } else {
+        for (std::int64_t p : pages)
+          if (t.tensor->is_mapped(static_cast<std::size_t>(base + p))) out.push_back(p);
+      }
+      return out;
+    }
+  }
+  throw Error(ErrorKind::kInvalidArgument, "unknown page operation");
+}
+
+std::string PageServer::serve(int fd) {
+  std::string frame;
+  std::string reply;
+  std::vector<std::int64_t> pages;
+  for (;;) {
+    frame.resize(kHeaderSize);
+    std::size_t got = read_full(fd, frame.data(), kHeaderSize);
+    if (got == 0) return {};
+    if (got < kHeaderSize || std::memcmp(frame.data(), kMagic, 4) != 0 ||
+        static_cast<std::uint8_t>(frame[4]) != kVersion) {
+      frame.resize(got);
+      return frame;
+    }
+    const Header h = unpack(frame.data());
+    if (h.count > kMaxCount || h.text_len > kMaxText) return frame;
+    const std::size_t payload = 8 * static_cast<std::size_t>(h.count) + h.text_len;
+    frame.resize(kHeaderSize + payload);
+    got = read_full(fd, frame.data() + kHeaderSize, payload);
+    if (got < payload) {
+      frame.resize(kHeaderSize + got);
+      return frame;
+    }
+    const bool page_request = (h.type == static_cast<std::uint8_t>(PageOp::kMap) ||
+                               h.type == static_cast<std::uint8_t>(PageOp::kUnmap) ||
+                               h.type == static_cast<std::uint8_t>(PageOp::kQuery));
+    if (!page_request || h.status != 0 || h.text_len != 0 || !has_group(h.group)) return frame;
+    pages.resize(h.count);
+    if (h.count) std::memcpy(pages.data(), frame.data() + kHeaderSize, 8 * h.count);
+    std::vector<std::int64_t> values;
+    try {
+      values = apply(static_cast<PageOp>(h.type), h.group, pages);
+    } catch (...) {
+      return frame;  // the caller's handler reports the failure
+    }
+    pack_reply(reply, h, values);
+    served_.fetch_add(1);
+    if (!write_full(fd, reply.data(), reply.size())) return {};
+  }
+}
+
+}  // namespace kvcached

@@ -1,0 +1,151 @@
+"""The native page server: a worker's page requests answered on its socket without the GIL."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvcached_core import _native
+from kvcached_core.errors import MappingError, WorkerError
+from kvcached_core.ipc import WorkerGroup, WorkerListener
+from kvcached_core.ipc.protocol import HEADER_SIZE, Status, read_message
+from kvcached_core.vmm import open_mapper
+
+PAGE = 64 * 1024
+PAGES = 8
+
+
+@pytest.fixture
+def served(ipc_base):
+    """A listener whose KV group 0 spans two regions of one buffer and a second buffer."""
+    mapper = open_mapper("cpu", PAGE)
+    a = mapper.reserve(2 * PAGES * PAGE)  # two layer regions: page bases 0 and PAGES
+    b = mapper.reserve(PAGES * PAGE)
+    server = _native.PageServer(mapper, 0)
+    server.add_group(0, [(a, [0, PAGES]), (b, [0])], PAGES)
+    calls: list = []
+
+    def handler(op, group, pages):
+        calls.append((op, group, list(pages)))
+        if group != 0:
+            raise LookupError(f"no KV group {group} in this worker")
+        return server.apply(op, group, pages)
+
+    path = os.fspath(ipc_base / "w.sock")
+    listener = WorkerListener(path, handler, rank=0, server=server, label="native").start()
+    try:
+        yield SimpleNamespace(mapper=mapper, a=a, b=b, server=server, calls=calls, path=path,
+                              listener=listener)
+    finally:
+        listener.close()
+
+
+def mapped(ns, page: int) -> list[bool]:
+    return [ns.a.is_mapped(page), ns.a.is_mapped(PAGES + page), ns.b.is_mapped(page)]
+
+
+def test_page_requests_are_answered_natively(served):
+    with WorkerGroup([served.path], timeout=10, connect_timeout=10) as group:  # hello: Python
+        group.map(0, [1, 3])
+        assert mapped(served, 1) == mapped(served, 3) == [True, True, True]
+        assert group.query(0) == [[1, 3]]
+        assert group.query(0, [0, 1, 2]) == [[1]]
+        group.unmap(0, [1])
+        assert mapped(served, 1) == [False, False, False] and group.query(0) == [[3]]
+        group.ping()
+    assert served.server.served == 5 and served.listener.requests_served == 5
+    assert served.calls == []  # the Python handler never ran
+
+
+def test_a_failing_request_reaches_the_handler_and_maps_nothing(served):
+    served.mapper.map([served.b], [5])  # the last tensor of the group refuses page 5
+    with WorkerGroup([served.path], timeout=10, connect_timeout=10) as group:
+        with pytest.raises(WorkerError, match="already mapped"):
+            group.map(0, [5])
+        assert mapped(served, 5) == [False, False, True]  # the first tensor was rolled back
+        with pytest.raises(WorkerError, match="page 8 outside 0..7"):
+            group.map(0, [PAGES])  # would land in the second region of the first tensor
+        with pytest.raises(WorkerError, match="page -1 outside"):
+            group.unmap(0, [-1])
+        with pytest.raises(WorkerError, match="LookupError: no KV group 2"):
+            group.map(2, [0])
+        assert served.listener.handler_errors == 4
+        group.map(0, [6])  # and the server carries on
+        assert mapped(served, 6) == [True, True, True]
+    assert [c[0] for c in served.calls] == ["map", "map", "unmap", "map"]
+    assert not served.a.is_mapped(PAGES - 1) and not served.a.is_mapped(PAGES)
+
+
+def test_garbage_is_refused_and_the_server_keeps_serving(served):
+    raw = socket.socket(socket.AF_UNIX)
+    raw.settimeout(5)
+    raw.connect(served.path)
+    raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * HEADER_SIZE)
+    reply = read_message(raw)
+    assert reply.status == Status.BAD_REQUEST and "bad magic" in reply.text
+    raw.close()
+    cut = socket.socket(socket.AF_UNIX)  # half a header, then gone
+    cut.connect(served.path)
+    cut.sendall(b"KVCI\x01\x03")
+    cut.close()
+    with WorkerGroup([served.path], timeout=10, connect_timeout=10) as group:
+        group.map(0, [2])
+        assert group.query(0) == [[2]]
+
+
+def test_groups_must_fit_their_tensors():
+    mapper = open_mapper("cpu", PAGE)
+    vt = mapper.reserve(PAGES * PAGE)
+    server = _native.PageServer(mapper, 0)
+    with pytest.raises(MappingError, match="do not fit a tensor of 8 pages"):
+        server.add_group(0, [(vt, [0, 1])], PAGES)
+    with pytest.raises(MappingError, match="has no tensors"):
+        server.add_group(0, [], PAGES)
+    with pytest.raises(ValueError, match="unknown operation 'remap'"):
+        server.apply("remap", 0, [0])
+    with pytest.raises(MappingError, match="no KV group 0"):
+        server.apply("map", 0, [0])
+
+
+_CLIENT = """
+import sys, time
+from kvcached_core.ipc import WorkerGroup
+group = WorkerGroup([sys.argv[1]], timeout=60, connect_timeout=10)
+group.connect()
+print("ready", flush=True)
+sys.stdin.readline()
+time.sleep(0.3)  # the parent is inside its call that holds the GIL by now
+group.map(0, [4])
+print(time.monotonic(), flush=True)
+"""
+
+
+def test_requests_are_answered_while_python_holds_the_gil(served):
+    """A worker computing in Python holds the GIL; its map requests must not wait for it."""
+    n = 2_000_000
+    t = time.perf_counter()
+    sum(range(n))
+    n = int(n * 3.0 / max(time.perf_counter() - t, 1e-6))  # about 3 s in one C call
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, served.path], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert client.stdout.readline().strip() == "ready"
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        held_from = time.monotonic()
+        sum(range(n))  # a builtin looping in C: the GIL stays held throughout
+        held_until = time.monotonic()
+        answered = float(client.stdout.readline())
+        assert client.wait(30) == 0
+    finally:
+        client.kill()
+    # Answered while the call still held the GIL (a Python listener answers only once it
+    # returns: right after it, before this thread reads the clock again, hence the margin).
+    assert held_from < answered < held_until - 1.0, (held_from, answered, held_until)
+    assert mapped(served, 4) == [True, True, True]
