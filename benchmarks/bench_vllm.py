@@ -375,8 +375,10 @@ def make_pools(num_blocks: int):
     regions = [mapper.reserve(num_pages * PAGE) for _ in range(NUM_LAYERS)]
     listener = WorkerListener.for_namespace(ns, rank=0, handler=MapperHandler(mapper, {0: regions}),
                                             label="bench worker").start()
-    vllm_config = SimpleNamespace(instance_id=ns, parallel_config=SimpleNamespace(
-        data_parallel_rank=0, tensor_parallel_size=1, pipeline_parallel_size=1))
+    vllm_config = SimpleNamespace(
+        instance_id=ns, device_config=SimpleNamespace(device_type="cpu"),
+        parallel_config=SimpleNamespace(data_parallel_rank=0, tensor_parallel_size=1,
+                                        pipeline_parallel_size=1))
     with scheduler_context(vllm_config, _kv_cache_config(num_blocks)):
         elastic = make_block_pool(native_cls)(**kw)
     assert type(elastic).__name__ == "ElasticBlockPool", type(elastic)

@@ -2,13 +2,15 @@
 
 Geometry
 --------
-Block ``b`` of ``B = block_bytes`` occupies bytes ``[b*B, (b+1)*B)`` of every
-layer buffer (in either layout, see :mod:`.kv_tensors`), so an engine indexes
-its cache tensor with the block id at a uniform stride. A block is usable only
-when it lies inside one page of ``P`` bytes: page ``p`` holds the blocks
-``ceil(p*P/B) .. floor((p+1)*P/B) - 1``. When ``B`` divides ``P`` that is
-exactly ``[p*bpp, (p+1)*bpp)`` with ``bpp = P // B``; otherwise the few ids
-that would straddle a page boundary are never handed out.
+Block ``b`` of ``B = block_bytes`` occupies bytes ``[o + b*B, o + (b+1)*B)`` of
+every layer buffer (in either layout, see :mod:`.kv_tensors`), so an engine
+indexes its cache tensor with the block id at a uniform stride; ``o`` is the
+``block_offset`` where the engine's tensor starts (0 unless it was placed past
+a page boundary). A block is usable only when it lies inside one page of ``P``
+bytes: page ``p`` holds the blocks ``ceil((p*P - o)/B) .. floor(((p+1)*P - o)/B) - 1``.
+When ``o`` is 0 and ``B`` divides ``P`` that is exactly ``[p*bpp, (p+1)*bpp)``
+with ``bpp = P // B``; otherwise the few ids that would straddle a page
+boundary (or run past the last page) are never handed out.
 
 Policy
 ------
@@ -65,6 +67,8 @@ class KVBlockManager:
             allocator's pages hold). The allocator must have no page beyond
             the last one these blocks need.
         reserve_null_block: Keep block 0 allocated as the engine's null block.
+        block_offset: Bytes before block 0 in every layer buffer (the engine's
+            tensor starts that far into the pages); less than ``block_bytes``.
 
     Raises:
         KVCachedConfigError: A block does not fit in a page (the message names
@@ -78,21 +82,29 @@ class KVBlockManager:
         block_bytes: int,
         num_blocks: int | None = None,
         reserve_null_block: bool = True,
+        block_offset: int = 0,
     ) -> None:
         layout = page_allocator.kv_tensors.layout
         page = layout.page_size
         self._check_geometry(block_bytes, page, page_allocator.kv_tensors.mapper.granularity)
+        if (isinstance(block_offset, bool) or not isinstance(block_offset, int)
+                or not 0 <= block_offset < block_bytes):
+            raise KVCachedConfigError(
+                f"block_offset={block_offset!r} must be an integer in 0..{block_bytes - 1} "
+                "(less than one block)"
+            )
         num_pages = page_allocator.num_pages
-        most = num_pages * page // block_bytes
-        n = most if num_blocks is None else num_blocks
+        most = num_pages * page // block_bytes  # ids; past an offset the last may not fit
+        n = (num_pages * page - block_offset) // block_bytes if num_blocks is None else num_blocks
         if not 1 <= n <= most:
             raise KVCachedConfigError(
                 f"num_blocks={num_blocks} must be in 1..{most}: {num_pages} pages of {page} "
                 f"bytes hold {most} blocks of {block_bytes} bytes"
             )
         # Page p holds the blocks lying wholly inside it (ids below n).
-        starts = [-(-p * page // block_bytes) for p in range(num_pages)]
-        ends = [min((p + 1) * page // block_bytes, n) for p in range(num_pages)]
+        o = block_offset
+        starts = [max(0, -(-(p * page - o) // block_bytes)) for p in range(num_pages)]
+        ends = [min(((p + 1) * page - o) // block_bytes, n) for p in range(num_pages)]
         caps = [max(0, e - s) for s, e in zip(starts, ends, strict=True)]
         if caps[-1] == 0:
             used = next(p for p in range(num_pages - 1, -1, -1) if caps[p]) + 1
@@ -102,6 +114,7 @@ class KVBlockManager:
             )
         self._pa = page_allocator
         self._block_bytes = block_bytes
+        self._block_offset = block_offset
         self._page_size = page
         self._num_blocks = n
         self._starts = starts
@@ -167,6 +180,11 @@ class KVBlockManager:
         return self._block_bytes
 
     @property
+    def block_offset(self) -> int:
+        """Bytes before block 0 in every layer buffer."""
+        return self._block_offset
+
+    @property
     def num_blocks(self) -> int:
         """Block ids are ``0 .. num_blocks-1`` (straddling ids are never used)."""
         return self._num_blocks
@@ -204,7 +222,7 @@ class KVBlockManager:
 
     def page_of(self, block_id: int) -> int:
         """The page holding ``block_id``."""
-        return block_id * self._block_bytes // self._page_size
+        return (self._block_offset + block_id * self._block_bytes) // self._page_size
 
     def blocks_in_page(self, page_id: int) -> range:
         """Block ids that page ``page_id`` holds."""

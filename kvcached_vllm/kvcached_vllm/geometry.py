@@ -7,6 +7,11 @@ region lies at ``region_start + b * block_bytes``. Page ``p`` is the byte range
 holds usable in every layer at once, and scheduler and workers agree on page
 ids without exchanging layouts.
 
+On CPU the engine's tensor starts :data:`HOST_BLOCK_OFFSET` bytes into its
+first page (``block_offset``), so block ``b`` lies at ``region_start +
+block_offset + b * block_bytes`` and the one block per page that would cross
+into the next page is never used.
+
 Two generations of vLLM place regions differently:
 
 * 0.29 and later (``KVCacheTensor.layers`` / ``layer_stride``): one backing
@@ -27,9 +32,22 @@ from typing import Any
 from kvcached_core.config import load_settings
 from kvcached_core.errors import KVCachedConfigError
 
-__all__ = ["KVGeometry", "align_num_blocks_unit", "check_block_fits", "page_size"]
+__all__ = ["HOST_BLOCK_OFFSET", "KVGeometry", "align_num_blocks_unit", "block_offset_for",
+           "check_block_fits", "page_size"]
 
 MiB = 1 << 20
+
+#: Where a CPU engine's KV tensor starts inside its first page. torch's CPU
+#: allocator hands out large buffers 64 bytes past a 4 KiB boundary; vLLM's CPU
+#: decode attention measured 5-8 % slower per step with every block on a page
+#: boundary (the same memory, moved 64 bytes, ran as fast as torch's buffer:
+#: benchmarks/results/vllm-cpu-kv-alignment.json).
+HOST_BLOCK_OFFSET = 64
+
+
+def block_offset_for(device_type: str) -> int:
+    """``block_offset`` for an engine on ``device_type`` (``"cpu"``, ``"cuda"``, ...)."""
+    return HOST_BLOCK_OFFSET if str(device_type).split(":")[0] == "cpu" else 0
 
 
 def page_size() -> int:
@@ -64,6 +82,8 @@ class KVGeometry:
             of its own (0.27.1, 0.28).
         num_buffers: Backing buffers vLLM allocates (``torch.zeros`` calls).
         page_size: The kvcached page size ``P``.
+        block_offset: Bytes between a region's page-aligned start and its
+            block 0 (each backing buffer starts that far into its reservation).
     """
 
     num_blocks: int
@@ -71,6 +91,7 @@ class KVGeometry:
     region_offsets: tuple[int, ...]
     num_buffers: int
     page_size: int
+    block_offset: int = 0
 
     @property
     def num_regions(self) -> int:
@@ -87,8 +108,9 @@ class KVGeometry:
         return self.page_size * self.num_regions
 
     @classmethod
-    def from_config(cls, kv_cache_config: Any, page: int | None = None) -> KVGeometry:
-        """Read the geometry of a vLLM ``KVCacheConfig``.
+    def from_config(cls, kv_cache_config: Any, page: int | None = None,
+                    block_offset: int = 0) -> KVGeometry:
+        """Read the geometry of a vLLM ``KVCacheConfig`` (blocks ``block_offset`` bytes in).
 
         Raises:
             KVCachedConfigError: The layout is one kvcached does not page (block
@@ -117,7 +139,7 @@ class KVGeometry:
                         "layer-outer layouts only"
                     )
                 offsets.update(int(t.offset) + i * int(t.layer_stride) for i in range(len(t.layers)))
-            geo = cls(num_blocks, block, tuple(sorted(offsets)), 1, page)
+            geo = cls(num_blocks, block, tuple(sorted(offsets)), 1, page, block_offset)
             bad = [o for o in geo.region_offsets if o % page]
             if bad:
                 raise KVCachedConfigError(
@@ -137,6 +159,6 @@ class KVGeometry:
                     f"KV cache tensor sizes {sorted(sizes)} are not one common multiple of "
                     f"{num_blocks} blocks"
                 )
-            geo = cls(num_blocks, sizes.pop() // num_blocks, (), len(tensors), page)
+            geo = cls(num_blocks, sizes.pop() // num_blocks, (), len(tensors), page, block_offset)
         check_block_fits(geo.block_bytes, page)
         return geo

@@ -29,7 +29,7 @@ from kvcached_core.config import max_cached_tokens
 from kvcached_core.errors import DeviceOutOfMemoryError, IPCError, WorkerError
 from kvcached_core.ipc import PoolSegment, WorkerGroup
 
-from kvcached_vllm.geometry import KVGeometry
+from kvcached_vllm.geometry import KVGeometry, block_offset_for
 
 __all__ = [
     "ElasticRuntime",
@@ -199,7 +199,8 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime:
         KVCachedConfigError: The KV layout is not one kvcached can page.
         WorkerError: The workers are not listening (KV tensors not elastic).
     """
-    geo = KVGeometry.from_config(kv_cache_config)
+    geo = KVGeometry.from_config(
+        kv_cache_config, block_offset=block_offset_for(vllm_config.device_config.device_type))
     ns = instance_namespace(vllm_config)
     par = vllm_config.parallel_config
     tp = int(par.tensor_parallel_size)
@@ -218,15 +219,17 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime:
         overrides["idle_trim_s"] = DEFAULT_IDLE_TRIM_S
     pages = PageAllocator(tensors, **overrides)  # type: ignore[arg-type]
     tensors.allocator = pages
-    blocks = KVBlockManager(pages, geo.block_bytes, num_blocks=geo.num_blocks)
+    blocks = KVBlockManager(pages, geo.block_bytes, num_blocks=geo.num_blocks,
+                            block_offset=geo.block_offset)
     block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     rt = ElasticRuntime(ns, geo, workers, tensors, pages, blocks, segment,
                         _max_cached_blocks(block_size))
     _RUNTIMES.append(rt)
     log.info(
-        "kvcached: elastic KV cache for vLLM: %d blocks of %d bytes x %d regions, %d pages of "
-        "%d MiB, TP=%d PP=%d, namespace %s, mapped now %d bytes", geo.num_blocks,
-        geo.block_bytes, geo.num_regions, geo.num_pages, geo.page_size >> 20, tp, pp, ns,
+        "kvcached: elastic KV cache for vLLM: %d blocks of %d bytes (from byte %d) x %d regions, "
+        "%d pages of %d MiB, TP=%d PP=%d, namespace %s, mapped now %d bytes", geo.num_blocks,
+        geo.block_bytes, geo.block_offset, geo.num_regions, geo.num_pages, geo.page_size >> 20,
+        tp, pp, ns,
         pages.num_mapped * geo.page_bytes)
     return rt
 

@@ -29,7 +29,7 @@ from typing import Any
 from kvcached_core.errors import KVCachedConfigError
 from kvcached_core.vmm import as_tensor, open_mapper
 
-from kvcached_vllm.geometry import KVGeometry, page_size
+from kvcached_vllm.geometry import KVGeometry, block_offset_for, page_size
 
 __all__ = ["ElasticKVBacking", "call_with_backing", "allocation_context", "current_backing",
            "backings"]
@@ -55,7 +55,8 @@ class ElasticKVBacking:
 
     def __init__(self, device: Any, kv_cache_config: Any) -> None:
         self.kv_cache_config = kv_cache_config
-        self.geometry = KVGeometry.from_config(kv_cache_config, page_size())
+        self.geometry = KVGeometry.from_config(kv_cache_config, page_size(),
+                                               block_offset_for(str(device)))
         self.page_size = self.geometry.page_size
         self.mapper = open_mapper(str(device), self.page_size)
         self.buffers: list[tuple[Any, Any]] = []  # (VirtualTensor, torch tensor)
@@ -69,8 +70,9 @@ class ElasticKVBacking:
     def zeros(self, size: Any, dtype: Any = None, device: Any = None, **_: Any) -> Any:
         """Stand-in for vLLM's ``torch.zeros(nbytes, dtype=torch.int8, device=...)``.
 
-        Returns a 1-D tensor over freshly reserved address space: it reads as
-        zeros once a page is mapped, and no page is mapped yet.
+        Returns a 1-D tensor over freshly reserved address space, starting
+        ``block_offset`` bytes into it: it reads as zeros once a page is mapped,
+        and no page is mapped yet.
         """
         import torch
 
@@ -80,8 +82,9 @@ class ElasticKVBacking:
             numel *= int(d)
         dtype = dtype or torch.float32
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        vt = self.mapper.reserve(-(-nbytes // self.page_size) * self.page_size)
-        tensor = as_tensor(vt, torch.uint8)[:nbytes].view(dtype).view(*dims)
+        off = self.geometry.block_offset
+        vt = self.mapper.reserve(-(-(off + nbytes) // self.page_size) * self.page_size)
+        tensor = as_tensor(vt, torch.uint8)[off:off + nbytes].view(dtype).view(*dims)
         self.buffers.append((vt, tensor))
         return tensor
 

@@ -45,7 +45,7 @@ def make_stack() -> Iterator[StackFactory]:
 
     Keyword arguments: ``num_layers`` (2), ``num_pages`` (16), ``num_buffers``
     (2), ``contiguous`` (False), ``page_size`` (64 KiB), ``block_bytes`` (16 KiB;
-    ``None``: no block manager), ``num_blocks``, ``null_block`` (True),
+    ``None``: no block manager), ``num_blocks``, ``null_block`` (True), ``block_offset`` (0),
     ``mapper`` (share one), and any :class:`PageAllocator` option.
     """
     made: list[PageAllocator] = []
@@ -60,6 +60,7 @@ def make_stack() -> Iterator[StackFactory]:
         block_bytes: int | None = 16 << 10,
         num_blocks: int | None = None,
         null_block: bool = True,
+        block_offset: int = 0,
         mapper: Any = None,
         **options: Any,
     ) -> Stack:
@@ -70,7 +71,8 @@ def make_stack() -> Iterator[StackFactory]:
         made.append(pages)
         blocks = None
         if block_bytes is not None:
-            blocks = KVBlockManager(pages, block_bytes, num_blocks, reserve_null_block=null_block)
+            blocks = KVBlockManager(pages, block_bytes, num_blocks, reserve_null_block=null_block,
+                                    block_offset=block_offset)
         return Stack(kv, pages, blocks)
 
     yield build

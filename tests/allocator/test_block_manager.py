@@ -49,6 +49,30 @@ def test_straddling_blocks_are_never_handed_out(make_stack):
         assert b in bm.blocks_in_page(bm.page_of(b))
 
 
+def test_blocks_past_an_offset_stay_inside_their_pages(make_stack):
+    # The engine's tensor starts 64 bytes into the first page: with 4 blocks a
+    # page, the last block of each page would cross into the next one.
+    s = make_stack(block_offset=64)
+    bm, kv = s.blocks, s.kv
+    assert bm.block_offset == 64 and bm.num_blocks == 63  # block 63 would run past page 15
+    assert bm.blocks_in_page(0) == range(0, 3) and bm.blocks_in_page(1) == range(4, 7)
+    assert bm.capacity() == 16 * 3 and bm.page_of(6) == 1 and bm.page_of(4) == 1
+    ids = bm.alloc(bm.available_size())
+    assert ids is not None and len(ids) == 47 and bm.alloc(1) is None
+    assert not {b for b in ids if b % 4 == 3}  # no block crossing a page boundary
+    flat = kv.block_view(0, K, BLOCK, torch.uint8).view(-1)
+    for b in ids:  # every byte of every block is mapped memory (a touch would fault otherwise)
+        assert bm.page_of(b) == (64 + (b + 1) * BLOCK - 1) // PAGE
+        flat[64 + b * BLOCK: 64 + (b + 1) * BLOCK] = b % 251
+    assert all(int(flat[64 + b * BLOCK + BLOCK - 1]) == b % 251 for b in ids)
+    bm.free(ids)
+    assert bm.num_held_pages == 1
+    with pytest.raises(KVCachedConfigError, match="block_offset=16384 must be an integer in 0..16383"):
+        make_stack(block_offset=BLOCK)
+    with pytest.raises(KVCachedConfigError, match="block_offset=-1"):
+        make_stack(block_offset=-1)
+
+
 def test_best_fit_prefers_the_tightest_page(make_stack):
     bm = make_stack(null_block=False).blocks
     full = bm.alloc(12)  # pages 0, 1, 2 full

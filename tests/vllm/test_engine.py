@@ -35,7 +35,9 @@ def vanilla_tokens(tiny_model):
 def elastic(tiny_model):
     ns = unique_namespace("e")
     with engine(tiny_model, enabled=True, namespace=ns,
-                extra_env={"KVCACHED_MAX_CACHED_TOKENS": "1024", "KVCACHED_IDLE_TRIM_S": "0.5"}
+                extra_env={"KVCACHED_MAX_CACHED_TOKENS": "1024", "KVCACHED_IDLE_TRIM_S": "0.5",
+                           # collective_rpc of a test function into the worker
+                           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
                 ) as llm:
         from kvcached_vllm.monitor import KVMemoryMonitor
 
@@ -54,6 +56,22 @@ def test_kvcached_is_active_and_starts_small(elastic):
     (w,) = mon.read()
     # Only the null block's page (and maybe a small reserve) is mapped at start.
     assert 1 <= w.mapped_pages <= 4, w
+
+
+def test_cpu_kv_cache_starts_past_the_page_boundary(elastic, monkeypatch):
+    llm, _ = elastic
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # a function sent to the worker
+
+    def probe(worker):  # runs in the worker process
+        from kvcached_vllm.worker import backings
+
+        backing = backings()[-1]
+        vt, tensor = backing.buffers[0]
+        return tensor.data_ptr() - vt.address, backing.geometry.block_offset
+
+    # Where torch's CPU allocator puts large buffers: vLLM's CPU decode
+    # attention is slower with every block on a 4 KiB boundary.
+    assert llm.collective_rpc(probe, timeout=60) == [(64, 64)]
 
 
 def test_greedy_tokens_identical(elastic, vanilla_tokens):
