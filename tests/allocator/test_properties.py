@@ -27,12 +27,14 @@ from tests.allocator.conftest import QUIET  # noqa: E402
 PAGE = 64 << 10
 NUM_PAGES = 12
 
-# (layers, buffers, contiguous, block bytes): dividing, straddling, compound, MLA.
+# (layers, buffers, contiguous, block bytes, block offset): dividing, straddling,
+# compound, MLA, dividing past an offset (a CPU vLLM engine's tensor).
 GEOMETRIES = [
-    (2, 2, False, 16 << 10),
-    (1, 2, False, 24 << 10),
-    (2, 2, True, 8 << 10),
-    (3, 1, False, 20 << 10),
+    (2, 2, False, 16 << 10, 0),
+    (1, 2, False, 24 << 10, 0),
+    (2, 2, True, 8 << 10, 0),
+    (3, 1, False, 20 << 10, 0),
+    (2, 2, False, 16 << 10, 64),
 ]
 
 
@@ -45,11 +47,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         max_reserved=st.integers(0, 3),
     )
     def build(self, geometry, null, max_reserved):
-        layers, buffers, contiguous, block = geometry
+        layers, buffers, contiguous, block, offset = geometry
         layout = KVLayout(layers, NUM_PAGES * PAGE, PAGE, buffers, contiguous)
         self.kv = KVTensors.open("cpu", layout)
         self.pa = PageAllocator(self.kv, settings=QUIET, max_reserved=max_reserved)
-        self.bm = KVBlockManager(self.pa, block, reserve_null_block=null)
+        self.bm = KVBlockManager(self.pa, block, reserve_null_block=null, block_offset=offset)
+        self.block, self.offset = block, offset
         self.null = null
         self.max_reserved = max_reserved
         self.held: set[int] = set()
@@ -90,7 +93,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert len(got) == n and len(set(got)) == n
         assert not self.held.intersection(got) and self.bm.null_block not in got
         for b in got:
-            assert b in self.bm.blocks_in_page(self.bm.page_of(b))
+            page = self.bm.page_of(b)
+            first, last = self.offset + b * self.block, self.offset + (b + 1) * self.block - 1
+            assert first // PAGE == last // PAGE == page and b in self.bm.blocks_in_page(page)
         self.held.update(got)
 
     @precondition(lambda self: self.held)
