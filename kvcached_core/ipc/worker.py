@@ -129,6 +129,13 @@ class WorkerListener:
             delayed each request by milliseconds). Frames it leaves (handshake,
             ping, other groups, malformed frames, failed requests) reach this
             listener and ``handler`` as without it.
+        cpus: CPUs the listener's threads (and threads they start, such as
+            the host backend's page populator) run on; ``None`` keeps the
+            starting thread's. An engine that pins its compute threads to
+            cores passes the others, so that answering a request does not
+            wait for a compute (or busy-polling) thread's time slice on the
+            same core. CPUs the process may not use are ignored; if none is
+            left the threads stay where they are.
     """
 
     def __init__(
@@ -140,10 +147,12 @@ class WorkerListener:
         pp_stage: int = 0,
         label: str = "",
         server: Any = None,
+        cpus: Iterable[int] | None = None,
     ) -> None:
         self._path = paths.check_socket_path(path)
         self._handler = handler
         self._server = server
+        self._cpus = None if cpus is None else frozenset(cpus)
         self.rank = rank
         self.pp_stage = pp_stage
         self.label = label
@@ -170,10 +179,12 @@ class WorkerListener:
         base: str | os.PathLike[str] | None = None,
         label: str = "",
         server: Any = None,
+        cpus: Iterable[int] | None = None,
     ) -> WorkerListener:
         """A listener at the standard socket path of ``(namespace, pp_stage, rank)``."""
         path = paths.socket_path(namespace, rank, pp_stage, base)
-        return cls(path, handler, rank=rank, pp_stage=pp_stage, label=label, server=server)
+        return cls(path, handler, rank=rank, pp_stage=pp_stage, label=label, server=server,
+                   cpus=cpus)
 
     @property
     def requests_served(self) -> int:
@@ -308,6 +319,12 @@ class WorkerListener:
     # ------------------------------------------------------------------ serving
 
     def _accept_loop(self, sock: socket.socket, wake: socket.socket) -> None:
+        if self._cpus:
+            try:  # this thread only; connection threads inherit it
+                os.sched_setaffinity(0, self._cpus)
+            except OSError as exc:  # none of them allowed here: stay put
+                log.debug("kvcached IPC listener %s: CPUs %s not usable (%s)", self._path,
+                          sorted(self._cpus), exc)
         with selectors.DefaultSelector() as sel:
             sel.register(sock, selectors.EVENT_READ, "accept")
             sel.register(wake, selectors.EVENT_READ, "wake")

@@ -170,10 +170,31 @@ class ElasticKVBacking:
         self.listener = WorkerListener.for_namespace(
             instance_namespace(vllm_config), rank=rank, pp_stage=stage, handler=self.handle,
             server=self.server, label=f"vllm worker {self.mapper.backend}",
+            cpus=_spare_cpus() if self.mapper.backend == "host" else None,
         ).start()
         log.info("kvcached: worker tp=%d pp=%d serves KV pages at %s (%d pages x %d regions, "
                  "backend %s)", rank, stage, self.listener.path, self.geometry.num_pages,
                  self.geometry.num_regions, self.backend_name)
+
+
+def _spare_cpus() -> set[int] | None:
+    """Where a CPU worker's page server should run: the engine core's CPUs minus the compute ones.
+
+    vLLM's CPU worker binds its OpenMP threads, this one included, to cores
+    (``VLLM_CPU_OMP_THREADS_BIND``) before the KV cache is built, and threads
+    started here inherit that binding: each page request then waited for the
+    compute (or busy-polling) thread's time slice, 2.5-4 ms per map under load
+    on two cores. The engine core (this worker's parent) sends the requests
+    and waits for them, so its CPUs are free meanwhile. ``None`` (stay put)
+    when no such CPU is left or the parent cannot be read.
+    """
+    import os
+
+    try:
+        spare = os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
+    except OSError:
+        return None
+    return spare or None
 
 
 def _parallel_ranks() -> tuple[int, int]:

@@ -212,6 +212,23 @@ def test_listener_survives_handler_exceptions_and_garbage(ipc_base):
     assert not os.path.exists(path)  # close() removed the socket file
 
 
+@pytest.mark.parametrize("want", ["one allowed CPU", "no usable CPU"])
+def test_listener_threads_run_on_the_cpus_given(ipc_base, want):
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = {allowed[-1]} if want == "one allowed CPU" else {4095}  # 4095: no such CPU here
+    seen: list = []
+
+    def handler(op, group, pages):  # runs on a connection thread
+        seen.append(os.sched_getaffinity(0))
+
+    path = os.fspath(ipc_base / "cpu.sock")
+    with WorkerListener(path, handler, rank=0, cpus=cpus):
+        with WorkerGroup([path], timeout=5, connect_timeout=2) as group:
+            group.map(0, [1])
+    assert seen == [cpus if want == "one allowed CPU" else set(allowed)]
+    assert os.sched_getaffinity(0) == set(allowed)  # the starting thread is left alone
+
+
 def test_replies_out_of_sequence_are_not_trusted(ipc_base):
     path = os.fspath(ipc_base / "s.sock")
     server = socket.socket(socket.AF_UNIX)
