@@ -67,7 +67,7 @@ def test_blocks_past_an_offset_stay_inside_their_pages(make_stack):
     assert all(int(flat[64 + b * BLOCK + BLOCK - 1]) == b % 251 for b in ids)
     bm.free(ids)
     assert bm.num_held_pages == 1
-    with pytest.raises(KVCachedConfigError, match="block_offset=16384 must be an integer in 0..16383"):
+    with pytest.raises(KVCachedConfigError, match=r"block_offset=16384 must be an integer in 0\.\.16383"):
         make_stack(block_offset=BLOCK)
     with pytest.raises(KVCachedConfigError, match="block_offset=-1"):
         make_stack(block_offset=-1)
