@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -188,8 +189,6 @@ def _spare_cpus() -> set[int] | None:
     and waits for them, so its CPUs are free meanwhile. ``None`` (stay put)
     when no such CPU is left or the parent cannot be read.
     """
-    import os
-
     try:
         spare = os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
     except OSError:
