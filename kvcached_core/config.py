@@ -9,6 +9,7 @@ KVCACHED_PREALLOC             on       keep a reserve of mapped pages (backgroun
 KVCACHED_MIN_RESERVED_PAGES   2        refill the reserve below this many pages
 KVCACHED_MAX_RESERVED_PAGES   8        never keep more mapped-but-unused pages
 KVCACHED_IDLE_TRIM_S          5        trim the reserve after this long idle (0: never)
+KVCACHED_IDLE_KEEP_PAGES      0        reserved pages the idle trim leaves mapped
 KVCACHED_MEMORY_LIMIT         none     cap on mapped KV bytes per pool (e.g. 2G, 512M)
 KVCACHED_GPU_UTILIZATION      0.95     leave (1-x) of device memory free when mapping
 ============================  =======  =========================================
@@ -46,6 +47,7 @@ class Settings:
     idle_trim_s: float
     memory_limit: int | None
     gpu_utilization: float
+    idle_keep_pages: int = 0
 
 
 def load_settings() -> Settings:
@@ -68,6 +70,7 @@ def load_settings() -> Settings:
         idle_trim_s=env_float("KVCACHED_IDLE_TRIM_S", 5.0, minimum=0.0),
         memory_limit=parse_size(limit_text, "KVCACHED_MEMORY_LIMIT") if limit_text else None,
         gpu_utilization=env_float("KVCACHED_GPU_UTILIZATION", 0.95, minimum=0.05, maximum=1.0),
+        idle_keep_pages=env_int("KVCACHED_IDLE_KEEP_PAGES", 0, minimum=0),
     )
 
 

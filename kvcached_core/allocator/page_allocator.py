@@ -24,7 +24,9 @@ after allocations drain it. Unmapped handles stay in the mapper's recycle
 pool, which the allocator trims to ``max_reserved`` pages' worth after each
 unmap, so the physical footprint is at most in-use + 2 x ``max_reserved``
 pages. After ``idle_trim_s`` seconds without a page allocation or free the
-thread unmaps the whole reserve and empties the pool (once per idle spell).
+thread unmaps the reserve down to ``idle_keep`` pages and empties the pool
+(once per idle spell): the first allocation of the next burst then takes a
+kept page instead of waiting for a map.
 
 Memory limit
 ------------
@@ -145,7 +147,7 @@ def _worker_loop(ref: weakref.ref[PageAllocator], cond: threading.Condition) -> 
             if action == _REFILL:
                 alloc._refill()
             else:
-                alloc.trim()
+                alloc.trim(alloc._idle_keep)
         except Exception:  # keep the thread alive; the next activity retries
             _log.exception("kvcached page allocator background work failed")
         finally:
@@ -164,6 +166,7 @@ class PageAllocator:
         min_reserved: Refill the reserve to this many pages.
         max_reserved: Keep at most this many mapped-but-unused pages.
         idle_trim_s: Release the reserve after this long idle (0: never).
+        idle_keep: Reserved pages the idle trim leaves mapped (at most ``max_reserved``).
         memory_limit: Cap on mapped bytes (``None``: no cap).
         gpu_utilization: On GPUs, leave ``1 - x`` of device memory free.
         sync_on_unmap: Wait for queued device work before unmapping.
@@ -183,6 +186,7 @@ class PageAllocator:
         min_reserved: int | None = None,
         max_reserved: int | None = None,
         idle_trim_s: float | None = None,
+        idle_keep: int | None = None,
         memory_limit: int | None = _UNSET,
         gpu_utilization: float | None = None,
         sync_on_unmap: bool = True,
@@ -200,6 +204,9 @@ class PageAllocator:
                 f"reserve bounds min_reserved={lo}, max_reserved={hi} need 0 <= min <= max"
             )
         trim_s = s.idle_trim_s if idle_trim_s is None else idle_trim_s
+        keep = s.idle_keep_pages if idle_keep is None else idle_keep
+        if keep < 0:
+            raise KVCachedConfigError(f"idle_keep={keep} must be >= 0")
         util = s.gpu_utilization if gpu_utilization is None else gpu_utilization
         if trim_s < 0 or not 0 < util <= 1:
             raise KVCachedConfigError(
@@ -213,6 +220,7 @@ class PageAllocator:
         self._min_reserved = min(lo, n)
         self._max_reserved = min(hi, n)
         self._idle_trim_s = float(trim_s)
+        self._idle_keep = min(keep, self._max_reserved)
         self._sync_on_unmap = sync_on_unmap
         self._pool_keep = self._max_reserved * kv_tensors.handles_per_page
 
@@ -497,14 +505,14 @@ class PageAllocator:
             self._trim_pool(0)
         return pages
 
-    def trim(self) -> int:
-        """Unmap every reserved page and release the mapper's pooled handles.
+    def trim(self, keep: int = 0) -> int:
+        """Unmap the reserved pages beyond ``keep`` and release the mapper's pooled handles.
 
         Returns the number of pages unmapped.
         """
         self._check_owner()
         with self._cond:
-            drop = self._pop_reserve_locked(len(self._reserved))
+            drop = self._pop_reserve_locked(len(self._reserved) - keep)
         if drop:
             self._unmap(drop)
         self._trim_pool(0)

@@ -44,6 +44,10 @@ log = logging.getLogger("kvcached.vllm")
 
 #: Default idle time before the reserve of mapped pages is released (vLLM adapter).
 DEFAULT_IDLE_TRIM_S = 1.0
+#: Default reserved pages the idle trim leaves mapped: the next burst's first
+#: allocation takes one without waiting for the worker (the shrink target
+#: allows one page bundle above the live data).
+DEFAULT_IDLE_KEEP_PAGES = 1
 
 
 def instance_namespace(vllm_config: Any) -> str:
@@ -215,8 +219,10 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime:
         log.warning("kvcached: no shared-memory segment for kvctl (%s)", exc)
     tensors = RemoteKVTensors(layout, workers, 0, segment)
     overrides: dict[str, Any] = {}
-    if not os.environ.get("KVCACHED_IDLE_TRIM_S", "").strip():
-        overrides["idle_trim_s"] = DEFAULT_IDLE_TRIM_S
+    for var, key, value in (("KVCACHED_IDLE_TRIM_S", "idle_trim_s", DEFAULT_IDLE_TRIM_S),
+                            ("KVCACHED_IDLE_KEEP_PAGES", "idle_keep", DEFAULT_IDLE_KEEP_PAGES)):
+        if not os.environ.get(var, "").strip():
+            overrides[key] = value
     pages = PageAllocator(tensors, **overrides)  # type: ignore[arg-type]
     tensors.allocator = pages
     blocks = KVBlockManager(pages, geo.block_bytes, num_blocks=geo.num_blocks,

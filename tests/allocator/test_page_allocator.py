@@ -201,6 +201,20 @@ def test_idle_trim_releases_reserve_and_pool(make_stack):
     assert wait_until(lambda: mapped(s) == 0)
 
 
+def test_idle_trim_keeps_idle_keep_pages_mapped(make_stack):
+    s = make_stack(block_bytes=None, idle_trim_s=0.2, max_reserved=4, idle_keep=1)
+    pa = s.pages
+    pa.free_pages(pa.alloc_pages(3))
+    assert wait_until(lambda: mapped(s) == 1 and s.kv.mapper.stats().pooled_handles == 0)
+    (kept,) = pa._reserved
+    assert pa.page_state(kept) == "reserved"
+    created = s.kv.mapper.stats().handles_created
+    assert pa.alloc_pages(1) == [kept]  # the next burst starts without a map
+    assert mapped(s) == 1 and s.kv.mapper.stats().handles_created == created
+    with pytest.raises(KVCachedConfigError, match="idle_keep=-1"):
+        make_stack(block_bytes=None, idle_keep=-1)
+
+
 def test_thread_ends_with_the_allocator(make_stack):
     kv = KVTensors.open("cpu", KVLayout(1, 4 << 16, 1 << 16))
     pa = PageAllocator(kv, settings=replace(QUIET, prealloc=True, min_reserved_pages=1))

@@ -103,6 +103,7 @@ def test_reservation_not_a_multiple_of_the_page():
         ("KVCACHED_MEMORY_LIMIT", "lots", "KVCACHED_MEMORY_LIMIT='lots' is not a size"),
         ("KVCACHED_CONTIGUOUS_LAYOUT", "sometimes", "KVCACHED_CONTIGUOUS_LAYOUT='sometimes'"),
         ("KVCACHED_GPU_UTILIZATION", "1.5", "KVCACHED_GPU_UTILIZATION=1.5 is above"),
+        ("KVCACHED_IDLE_KEEP_PAGES", "-1", "KVCACHED_IDLE_KEEP_PAGES=-1 is below"),
     ],
 )
 def test_bad_environment_values(monkeypatch, var, value, message):
