@@ -34,7 +34,9 @@ BlockTable::BlockTable(std::vector<std::int64_t> starts, std::vector<std::int64_
     max_cap_ = std::max(max_cap_, cap);
     ++unheld_by_cap_[cap];
   }
-  free_lists_.resize(pages);
+  free_bits_.assign(static_cast<std::size_t>(num_blocks_) / 64 + 1, 0);
+  nfree_.assign(pages, 0);
+  scan_.assign(pages, 0);
   held_.assign(pages, 0);
   state_.assign(static_cast<std::size_t>(num_blocks_), kFree);
   head_.assign(static_cast<std::size_t>(max_cap_) + 1, -1);
@@ -44,6 +46,27 @@ BlockTable::BlockTable(std::vector<std::int64_t> starts, std::vector<std::int64_
 }
 
 std::int64_t BlockTable::page_of(std::int64_t block) const { return page_of_[block]; }
+
+std::uint64_t BlockTable::page_word_mask(std::int64_t page, std::size_t word) const {
+  const std::int64_t base = static_cast<std::int64_t>(word) * 64;
+  const std::int64_t lo = std::max(starts_[page], base) - base;
+  const std::int64_t hi = std::min(starts_[page] + caps_[page], base + 64) - base;
+  if (hi <= lo) return 0;
+  const std::uint64_t upto = hi == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << hi) - 1;
+  return upto & (~std::uint64_t{0} << lo);
+}
+
+void BlockTable::set_page_bits(std::int64_t page, bool free) {
+  const std::int64_t start = starts_[page], cap = caps_[page];
+  if (!cap) return;
+  const std::size_t first = static_cast<std::size_t>(start) >> 6;
+  const std::size_t last = static_cast<std::size_t>(start + cap - 1) >> 6;
+  for (std::size_t w = first; w <= last; ++w) {
+    const std::uint64_t m = page_word_mask(page, w);
+    free_bits_[w] = free ? (free_bits_[w] | m) : (free_bits_[w] & ~m);
+  }
+  scan_[page] = first;
+}
 
 void BlockTable::bucket_insert(std::int64_t page, std::int64_t k) {
   const std::int64_t h = head_[k];
@@ -93,10 +116,9 @@ void BlockTable::add_pages(const std::vector<std::int64_t>& pages) {
     }
   }
   for (std::int64_t p : pages) {
-    const std::int64_t cap = caps_[p], start = starts_[p];
-    auto& fl = free_lists_[p];
-    fl.clear();
-    for (std::int64_t b = start + cap - 1; b >= start; --b) fl.push_back(b);
+    const std::int64_t cap = caps_[p];
+    set_page_bits(p, true);
+    nfree_[p] = cap;
     held_[p] = 1;
     if (cap) bucket_insert(p, cap);
     free_in_pages_ += cap;
@@ -115,14 +137,25 @@ bool BlockTable::alloc(std::int64_t n, std::vector<std::int64_t>& out) {
     if (k < 0) k = highest_bucket();
     const std::int64_t p = head_[k];
     bucket_remove(p, k);
-    auto& fl = free_lists_[p];
     const std::int64_t take = std::min(k, rem);
-    for (std::int64_t i = 0; i < take; ++i) {
-      const std::int64_t b = fl.back();
-      fl.pop_back();
-      state_[b] = kAllocated;
-      out.push_back(b);
+    std::size_t w = scan_[p];
+    for (std::int64_t i = 0; i < take;) {
+      std::uint64_t bits = free_bits_[w] & page_word_mask(p, w);
+      if (!bits) {
+        ++w;
+        continue;
+      }
+      for (; bits && i < take; ++i) {
+        const int bit = __builtin_ctzll(bits);
+        bits &= bits - 1;
+        free_bits_[w] &= ~(std::uint64_t{1} << bit);
+        const std::int64_t b = static_cast<std::int64_t>(w) * 64 + bit;
+        state_[b] = kAllocated;
+        out.push_back(b);
+      }
     }
+    scan_[p] = w;
+    nfree_[p] = k - take;
     rem -= take;
     if (k > take) bucket_insert(p, k - take);
   }
@@ -161,19 +194,22 @@ std::string BlockTable::check_free(const std::vector<std::int64_t>& ids) {
 void BlockTable::free(const std::vector<std::int64_t>& ids, std::vector<std::int64_t>& released) {
   for (std::int64_t b : ids) {
     const std::int64_t p = page_of(b);
-    auto& fl = free_lists_[p];
-    const std::int64_t old = static_cast<std::int64_t>(fl.size());
+    const std::int64_t old = nfree_[p];
     if (old) bucket_remove(p, old);
-    fl.push_back(b);
     state_[b] = kFree;
     if (old + 1 == caps_[p]) {  // the page has no allocated block left
-      fl.clear();
+      set_page_bits(p, false);
+      nfree_[p] = 0;
       held_[p] = 0;
       ++unheld_by_cap_[caps_[p]];
       --held_pages_;
       free_in_pages_ -= old;  // its other free blocks leave with it
       released.push_back(p);
     } else {
+      const std::size_t w = static_cast<std::size_t>(b) >> 6;
+      free_bits_[w] |= std::uint64_t{1} << (b & 63);
+      if (w < scan_[p]) scan_[p] = w;
+      nfree_[p] = old + 1;
       bucket_insert(p, old + 1);
       ++free_in_pages_;
     }
@@ -186,9 +222,10 @@ std::vector<std::int64_t> BlockTable::release_idle(const std::vector<std::int64_
   for (std::int64_t p : pages) {
     if (p < 0 || p >= num_pages() || !held_[p]) continue;
     const std::int64_t cap = caps_[p];
-    if (static_cast<std::int64_t>(free_lists_[p].size()) != cap) continue;
+    if (nfree_[p] != cap) continue;
     if (cap) bucket_remove(p, cap);
-    free_lists_[p].clear();
+    set_page_bits(p, false);
+    nfree_[p] = 0;
     held_[p] = 0;
     ++unheld_by_cap_[cap];
     --held_pages_;
@@ -222,7 +259,7 @@ std::int64_t BlockTable::page_occupancy(std::int64_t page) const {
     throw Error(ErrorKind::kInvalidArgument, message("page %lld is out of range", page));
   }
   if (!held_[page]) return 0;
-  return caps_[page] - static_cast<std::int64_t>(free_lists_[page].size());
+  return caps_[page] - nfree_[page];
 }
 
 std::vector<std::int64_t> BlockTable::allocated_ids() const {

@@ -23,7 +23,11 @@ Policy
   the page with the fewest free blocks that still covers what remains, else
   the page with the most, so a request touches few pages and nearly-full
   pages fill up first. The pick is O(1) per page touched (buckets by free
-  count plus a bitmask of non-empty buckets), not O(#pages).
+  count plus a bitmask of non-empty buckets), not O(#pages). Inside a page
+  the lowest free ids go first (a free-block bitmap), so however blocks were
+  freed, a request's blocks come out ascending and mostly adjacent: attention
+  reads them in order, and a scattered block table measurably slows CPU
+  attention (``benchmarks/bench_block_order.py``).
 * A page whose blocks are all free goes back to the page allocator at once.
 * ``None`` from ``alloc`` means "no space now" (limit, device memory or
   capacity): a scheduling miss, never a crash.

@@ -87,6 +87,37 @@ def test_best_fit_prefers_the_tightest_page(make_stack):
     assert pages.count(2) == 3 and len(set(pages)) == 2 and bm.num_held_pages == 3
 
 
+@pytest.mark.parametrize("block, offset", [(1 << 10, 0), (512, 0), (3 << 10, 0), (1 << 10, 64)])
+def test_lowest_free_blocks_of_a_page_go_first(make_stack, block, offset):
+    # 64, 128 or 21 blocks a page (3 KiB: pages share bitmap words), offset
+    # too: however blocks were freed, each page hands out its lowest free ids,
+    # ascending, so a request's blocks come out in adjacent runs.
+    import random
+
+    bm = make_stack(block_bytes=block, null_block=False, num_pages=4,
+                    block_offset=offset).blocks
+    rng = random.Random(0)
+    everything = bm.alloc(bm.available_size())
+    for p in range(4):
+        assert [b for b in everything if bm.page_of(b) == p] == list(bm.blocks_in_page(p))
+    free = {p: set() for p in range(4)}
+    for _ in range(30):
+        held = [b for b in everything if b not in free[bm.page_of(b)]]
+        gone = rng.sample(held, min(len(held), rng.randint(1, 40)))
+        bm.free(gone)  # in a random order
+        for b in gone:
+            free[bm.page_of(b)].add(b)
+        for p in range(4):  # a page freed whole left the table: all of it is free anew
+            if bm.page_occupancy(p) == 0:
+                free[p] = set(bm.blocks_in_page(p))
+        got = bm.alloc(rng.randint(1, sum(map(len, free.values()))))
+        for p in {bm.page_of(b) for b in got}:
+            mine = [b for b in got if bm.page_of(b) == p]
+            assert mine == sorted(free[p])[:len(mine)], (p, mine)
+            free[p] -= set(mine)
+    assert bm.alloc(sum(map(len, free.values()))) is not None and bm.alloc(1) is None
+
+
 def test_empty_pages_go_back_and_trim_unmaps_them(make_stack):
     s = make_stack(null_block=False, max_reserved=2)
     bm = s.blocks
