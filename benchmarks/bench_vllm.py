@@ -19,7 +19,12 @@ load from other processes on the machine hits both alike:
    the call order runs through all permutations; its ratio to the first
    vanilla engine (``control_ratio``) is the harness's own reading when
    nothing differs. The generated token ids of every engine are compared
-   with the first vanilla one (``tokens_identical``).
+   with the first vanilla one (``tokens_identical``). Each engine first serves
+   one untimed burst shaped like the timed ones; then its process's heap is
+   collected and frozen (``gc.freeze``, as vLLM's engine core does), and
+   collected again before each timed call, outside it: a full collection of
+   that heap takes 0.4-0.5 s and otherwise fell inside one timed call per
+   engine, at a round set by its allocations.
 2. Engine init: seconds from the ``LLM(...)`` call to its return (engine core
    and worker started, KV cache allocated), same engines.
 3. Block pool alloc+free cycles per second, no engine, one process: vLLM's
@@ -115,7 +120,14 @@ def engine_child(args: argparse.Namespace) -> None:
     while True:
         cmd = conn.recv()
         if cmd[0] == "warmup":
-            llm.generate(prompts(8, args.prompt_len, seed=999), params, use_tqdm=False)
+            # A burst shaped like the timed ones (other prompts): vLLM's CPU kernels set
+            # themselves up for each new batch shape on first use (100-300 ms here).
+            llm.generate(prompts(args.prompts, args.prompt_len, seed=999), params, use_tqdm=False)
+            # This front end's heap (vLLM, torch, the engine client) is then never scanned
+            # again, as vLLM does in its engine core: a full collection of it took 0.4-0.5 s
+            # and fell inside one timed call per engine, at a round set by its allocations.
+            gc.collect()
+            gc.freeze()
             if args.enabled:
                 from kvcached_vllm.monitor import KVMemoryMonitor
 
@@ -123,6 +135,7 @@ def engine_child(args: argparse.Namespace) -> None:
                 mon.read()  # connected before the last burst ends
             conn.send({})
         elif cmd[0] == "round":
+            gc.collect()  # what the last call left behind, outside the timed call
             dt, out = generate(cmd[1])
             conn.send({"seconds": dt,
                        "generated_tokens": sum(len(o.outputs[0].token_ids) for o in out),
@@ -293,7 +306,10 @@ def bench_engines(model: Path, args: argparse.Namespace) -> dict:
         "workload": {"prompts": args.prompts, "prompt_tokens_each": args.prompt_len,
                      "max_tokens": args.max_tokens, "generate_calls_per_engine": args.rounds,
                      "max_num_seqs": args.max_num_seqs, "greedy": True, "ignore_eos": True,
-                     "engine_kwargs": ENGINE_KW, "warmup": "8 other prompts once per engine",
+                     "engine_kwargs": ENGINE_KW,
+                     "warmup": "one burst of other prompts, as many and as long as a timed "
+                               "call's, once per engine; then gc.collect + gc.freeze",
+                     "gc": "gc.collect() before each timed call, outside it",
                      "generated_tokens_per_call": sample["generated_tokens"]},
         "method": "per rep all engines live (separate processes, started one after the other "
                   "in start_order); the order of their generate calls changes every round "
