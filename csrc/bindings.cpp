@@ -168,6 +168,8 @@ PYBIND11_MODULE(_native, m) {
               code = PageOp::kUnmap;
             } else if (op == "query") {
               code = PageOp::kQuery;
+            } else if (op == "meminfo") {
+              code = PageOp::kMemInfo;
             } else {
               throw py::value_error("unknown operation '" + op + "'");
             }
@@ -175,7 +177,8 @@ PYBIND11_MODULE(_native, m) {
             return self.apply(code, group, pages);
           },
           py::arg("op"), py::arg("group"), py::arg("pages"),
-          "'map', 'unmap' or 'query' pages of a group; query returns the mapped ones.")
+          "'map', 'unmap' or 'query' pages of a group (query returns the mapped ones), or "
+          "'meminfo': [free bytes, total bytes, pooled handles] of the device.")
       .def(
           "serve",
           [](PageServer& self, int fd) {

@@ -324,9 +324,13 @@ void PageMapper::map_checked(const std::vector<std::shared_ptr<VirtualTensor>>& 
 void PageMapper::unmap_checked(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
                                const std::vector<std::int64_t>& pages, bool synchronize,
                                bool with_tensors) {
+  // Wait for queued device work before taking the lock: a synchronisation can
+  // last as long as the device's current work, and maps of other pages (and
+  // queries) must not wait behind it. The pages stay mapped meanwhile; the
+  // caller owns them and hands none of them out while they are being unmapped.
+  if (synchronize && !pages.empty()) core_->backend->synchronize();
   std::lock_guard<std::mutex> lock(core_->mu);
   check_batch(core_.get(), tensors, pages, true, with_tensors);
-  if (synchronize && !pages.empty()) core_->backend->synchronize();
   const std::size_t ps = core_->page_size;
   for (std::int64_t p : pages) {
     for (const auto& t : tensors) {

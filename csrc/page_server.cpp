@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -13,9 +14,9 @@ namespace {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the IPC protocol is little-endian; this build reads it natively");
 
-// kvcached_core/ipc/protocol.py, version 1.
+// kvcached_core/ipc/protocol.py, version 2.
 constexpr char kMagic[4] = {'K', 'V', 'C', 'I'};
-constexpr std::uint8_t kVersion = 1;
+constexpr std::uint8_t kVersion = 2;
 constexpr std::size_t kHeaderSize = 28;
 constexpr std::uint8_t kReplyBit = 0x80;
 constexpr std::uint32_t kMaxCount = 1u << 24;
@@ -41,12 +42,16 @@ Header unpack(const char* p) {
   return h;
 }
 
-void pack_reply(std::string& out, const Header& req, const std::vector<std::int64_t>& values) {
+// Reply statuses (protocol.py Status).
+constexpr std::uint16_t kStatusError = 1;
+constexpr std::uint16_t kStatusOutOfMemory = 3;
+
+void pack_reply(std::string& out, const Header& req, const std::vector<std::int64_t>& values,
+                std::uint16_t status = 0, const std::string& text = {}) {
   const std::uint8_t type = req.type | kReplyBit;
-  const std::uint16_t status = 0;
   const std::uint32_t count = static_cast<std::uint32_t>(values.size());
-  const std::uint32_t text_len = 0;
-  out.resize(kHeaderSize + 8 * values.size());
+  const std::uint32_t text_len = static_cast<std::uint32_t>(std::min<std::size_t>(text.size(), kMaxText));
+  out.resize(kHeaderSize + 8 * values.size() + text_len);
   char* p = out.data();
   std::memcpy(p, kMagic, 4);
   p[4] = static_cast<char>(kVersion);
@@ -57,6 +62,22 @@ void pack_reply(std::string& out, const Header& req, const std::vector<std::int6
   std::memcpy(p + 20, &count, 4);
   std::memcpy(p + 24, &text_len, 4);
   if (!values.empty()) std::memcpy(p + kHeaderSize, values.data(), 8 * values.size());
+  if (text_len) std::memcpy(p + kHeaderSize + 8 * values.size(), text.data(), text_len);
+}
+
+// The Python exception an error kind becomes (bindings.cpp), for the reply text.
+const char* error_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::kOutOfMemory:
+      return "DeviceOutOfMemoryError";
+    case ErrorKind::kUnavailable:
+      return "BackendUnavailableError";
+    case ErrorKind::kInvalidArgument:
+      return "MappingError";
+    case ErrorKind::kDriver:
+      break;
+  }
+  return "DeviceError";
 }
 
 // Reads up to n bytes; fewer only when the peer closed or the socket failed.
@@ -127,6 +148,17 @@ bool PageServer::has_group(std::uint32_t group) const {
 
 std::vector<std::int64_t> PageServer::apply(PageOp op, std::uint32_t group,
                                             const std::vector<std::int64_t>& pages) {
+  if (op == PageOp::kMemInfo) {
+    if (!has_group(group)) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "no KV group " + std::to_string(group) + " in this worker");
+    }
+    const MemInfo mi = mapper_.mem_info();
+    return {static_cast<std::int64_t>(mi.free_bytes), static_cast<std::int64_t>(mi.total_bytes),
+            static_cast<std::int64_t>(mapper_.stats().pooled_handles)};
+  }
+  // Queued device work may still read the pages: wait for it without the lock.
+  if (op == PageOp::kUnmap && !pages.empty()) mapper_.synchronize();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = groups_.find(group);
   if (it == groups_.end()) {
@@ -165,9 +197,11 @@ std::vector<std::int64_t> PageServer::apply(PageOp op, std::uint32_t group,
       return {};
     }
     case PageOp::kUnmap:
-      for (const auto& t : g.tensors) mapper_.unmap({t.tensor}, indices(t), true);
+      for (const auto& t : g.tensors) mapper_.unmap({t.tensor}, indices(t), false);
       mapper_.trim_pool(pool_keep_);
       return {};
+    case PageOp::kMemInfo:
+      break;  // answered above
     case PageOp::kQuery: {
       const ServedTensor& t = g.tensors.front();
       std::vector<std::int64_t> out;
@@ -209,17 +243,20 @@ std::string PageServer::serve(int fd) {
     }
     const bool page_request = (h.type == static_cast<std::uint8_t>(PageOp::kMap) ||
                                h.type == static_cast<std::uint8_t>(PageOp::kUnmap) ||
-                               h.type == static_cast<std::uint8_t>(PageOp::kQuery));
+                               h.type == static_cast<std::uint8_t>(PageOp::kQuery) ||
+                               h.type == static_cast<std::uint8_t>(PageOp::kMemInfo));
     if (!page_request || h.status != 0 || h.text_len != 0 || !has_group(h.group)) return frame;
     pages.resize(h.count);
     if (h.count) std::memcpy(pages.data(), frame.data() + kHeaderSize, 8 * h.count);
-    std::vector<std::int64_t> values;
     try {
-      values = apply(static_cast<PageOp>(h.type), h.group, pages);
-    } catch (...) {
-      return frame;  // the caller's handler reports the failure
+      pack_reply(reply, h, apply(static_cast<PageOp>(h.type), h.group, pages));
+    } catch (const Error& e) {
+      pack_reply(reply, h, {},
+                 e.kind() == ErrorKind::kOutOfMemory ? kStatusOutOfMemory : kStatusError,
+                 std::string(error_name(e.kind())) + ": " + e.what());
+    } catch (const std::exception& e) {
+      pack_reply(reply, h, {}, kStatusError, std::string("DeviceError: ") + e.what());
     }
-    pack_reply(reply, h, values);
     served_.fetch_add(1);
     if (!write_full(fd, reply.data(), reply.size())) return {};
   }

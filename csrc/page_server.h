@@ -6,11 +6,12 @@
 // listener thread then waits milliseconds for it before and after every
 // request. PageServer::serve reads frames of kvcached's IPC protocol
 // (kvcached_core/ipc/protocol.py: 28-byte little-endian header, int64
-// payload) and answers MAP, UNMAP and QUERY requests for its groups itself.
-// Every other frame (handshake, ping, a reply, a malformed frame, an unknown
-// group) and every request whose operation fails is handed back to the
-// caller unanswered, so the Python listener keeps the one implementation of
-// handshakes and error replies.
+// payload) and answers MAP, UNMAP, QUERY and MEMINFO requests for its groups
+// itself, failures included (an error reply with the error's kind and text,
+// status OUT_OF_MEMORY when the device had no memory). Every other frame
+// (handshake, ping, a reply, a malformed frame, an unknown group) is handed
+// back to the caller unanswered, so the Python listener keeps the one
+// implementation of handshakes and of everything else.
 #pragma once
 
 #include <atomic>
@@ -33,7 +34,7 @@ struct ServedTensor {
 };
 
 // The protocol's request types the server applies (same numbers as the wire).
-enum class PageOp : std::uint8_t { kMap = 3, kUnmap = 4, kQuery = 5 };
+enum class PageOp : std::uint8_t { kMap = 3, kUnmap = 4, kQuery = 5, kMemInfo = 6 };
 
 class PageServer {
  public:
@@ -47,8 +48,12 @@ class PageServer {
 
   // Maps (all tensors or none), unmaps (then trims the pool) or queries pages
   // of a group. Query returns the mapped ones among `pages` (all pages if
-  // empty). Throws Error on an unknown group, a page out of range or a failed
-  // driver call; a failed map leaves nothing of the request mapped.
+  // empty); MemInfo returns the device's free and total bytes and the
+  // mapper's pooled handles (a mapped page of the group needs one handle per
+  // tensor base). Throws Error on an unknown group, a page out of range or a
+  // failed driver call; a failed map leaves nothing of the request mapped.
+  // An unmap waits for queued device work once, before it takes the lock, so
+  // requests on other connections are not held up by the device.
   std::vector<std::int64_t> apply(PageOp op, std::uint32_t group,
                                   const std::vector<std::int64_t>& pages);
 

@@ -232,6 +232,14 @@ class WorkerGroup:
         """Ask every worker's handler a ``query``; its answers, one list per worker."""
         return [list(m.values) for m in self.request(MsgType.QUERY, group, pages)]
 
+    def meminfo(self, group: int = 0) -> list[tuple[int, int, int]]:
+        """Every worker's device memory: ``(free bytes, total bytes, pooled handles)``."""
+        out = []
+        for m in self.request(MsgType.MEMINFO, group):
+            free, total, pooled = (list(m.values) + [0, 0, 0])[:3]
+            out.append((int(free), int(total), int(pooled)))
+        return out
+
     def ping(self) -> None:
         """An empty round trip to every worker (answered by the listener itself)."""
         self.request(MsgType.PING)

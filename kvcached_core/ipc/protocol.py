@@ -6,9 +6,10 @@ followed by an optional payload::
     offset size field       meaning
     ------ ---- ----------- ------------------------------------------------
          0    4 magic       b"KVCI"
-         4    1 version     1
-         5    1 type        HELLO=1 PING=2 MAP=3 UNMAP=4 QUERY=5; a reply
-                            carries its request's type with bit 0x80 set
+         4    1 version     2
+         5    1 type        HELLO=1 PING=2 MAP=3 UNMAP=4 QUERY=5 MEMINFO=6;
+                            a reply carries its request's type with bit
+                            0x80 set
          6    2 status      0 in requests; in replies OK=0, ERROR=1 (the
                             handler raised), BAD_REQUEST=2, OUT_OF_MEMORY=3
                             (the handler raised a MemoryError)
@@ -16,9 +17,13 @@ followed by an optional payload::
         16    4 group       KV cache group id (unsigned)
         20    4 count       number of int64 values in the payload
         24    4 text_len    number of utf-8 bytes after the values
-        28      payload     count x int64 (page ids, or handshake fields),
+        28      payload     count x int64 (page ids, handshake fields, or
+                            MEMINFO's answer: the device's free and total
+                            bytes and the worker's pooled page handles),
                             then text_len bytes of text (the error message
                             of an error reply, the worker's label in HELLO)
+
+Version 2 added MEMINFO; peers of different versions refuse each other.
 
 A frame is decoded only after its header has been validated, so a peer that
 speaks something else is told so ("bad magic") instead of being read as a
@@ -60,7 +65,7 @@ __all__ = [
 ]
 
 MAGIC = b"KVCI"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBHQIII")
 HEADER_SIZE = HEADER.size  # 28
 MAX_COUNT = 1 << 24
@@ -79,6 +84,7 @@ class MsgType(enum.IntEnum):
     MAP = 3
     UNMAP = 4
     QUERY = 5
+    MEMINFO = 6
 
 
 class Status(enum.IntEnum):

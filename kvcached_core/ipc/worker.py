@@ -18,8 +18,8 @@ A daemon thread accepts any number of persistent connections; each
 connection gets a daemon thread of its own that blocks in ``recv`` (one
 system call per request, no polling), and handler calls are serialised by one
 lock, so the handler never runs concurrently with itself. ``hello`` and
-``ping`` are answered by the listener itself; ``map``, ``unmap`` and ``query``
-go to the handler. Whatever the handler raises becomes an error reply carrying
+``ping`` are answered by the listener itself; ``map``, ``unmap``, ``query`` and
+``meminfo`` go to the handler. Whatever the handler raises becomes an error reply carrying
 the exception's type and message (with status ``OUT_OF_MEMORY`` for a
 ``MemoryError``, such as the mapper's ``DeviceOutOfMemoryError``), and the
 listener carries on. A connection that sends a malformed frame is answered with
@@ -28,7 +28,8 @@ accepted.
 
 A worker can add a native :class:`~kvcached_core._native.PageServer`
 (``server=``): the connection threads then wait in it, outside the GIL, and it
-answers page requests itself; everything else still comes here.
+answers page requests itself, failed ones included; everything else still
+comes here.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ __all__ = ["Handler", "MapperHandler", "WorkerListener", "peer_credentials"]
 
 log = logging.getLogger("kvcached.ipc")
 
-#: ``handler(op, group, pages)``: ``op`` is ``"map"``, ``"unmap"`` or ``"query"``.
-#: It returns ``None``, or for ``query`` the int64 values to send back.
+#: ``handler(op, group, pages)``: ``op`` is ``"map"``, ``"unmap"``, ``"query"`` or
+#: ``"meminfo"``. It returns ``None``, or for ``query`` (the mapped pages) and
+#: ``meminfo`` (``[free bytes, total bytes, pooled handles]`` of the device)
+#: the int64 values to send back.
 Handler = Callable[[str, int, list[int]], "Iterable[int] | None"]
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -71,7 +74,8 @@ class MapperHandler:
             be a dict the worker fills in as it creates groups.
 
     ``query`` answers which of the given pages (all pages if none are given)
-    are mapped in the group's first tensor.
+    are mapped in the group's first tensor; ``meminfo`` the device's free and
+    total bytes and the mapper's pooled handles.
     """
 
     def __init__(self, mapper: Any, tensors: Mapping[int, Sequence[Any]]) -> None:
@@ -94,6 +98,9 @@ class MapperHandler:
         elif op == "query":
             first = tensors[0]
             return [p for p in (pages or range(first.num_pages)) if first.is_mapped(p)]
+        elif op == "meminfo":
+            free, total = self.mapper.mem_info()
+            return [free, total, self.mapper.stats().pooled_handles]
         else:
             raise ValueError(f"unknown operation {op!r}")
         return None

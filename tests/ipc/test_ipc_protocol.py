@@ -89,7 +89,7 @@ def _header(**fields) -> bytes:
     ("frame", "message"),
     [
         (_header(magic=b"HTTP"), r"bad magic b'HTTP' \(expected b'KVCI'\): the peer does not speak"),
-        (_header(version=2), "protocol version 2 from the peer, this side speaks version 1"),
+        (_header(version=1), "protocol version 1 from the peer, this side speaks version 2"),
         (_header(type=0x7F), "unknown message type 0x7f"),
         (_header(status=1), "request carries status 1"),
         (_header(count=MAX_COUNT + 1), "over the limit"),
@@ -117,7 +117,7 @@ def test_encoding_checks_ranges():
 
 def test_layout_is_fixed_little_endian():
     frame = encode_request(MsgType.UNMAP, 0x0102030405060708, 9, [1, -2])
-    assert frame[:4] == b"KVCI" and frame[4] == 1 and frame[5] == 4
+    assert frame[:4] == b"KVCI" and frame[4] == 2 and frame[5] == 4
     assert struct.unpack_from("<QII", frame, 8) == (0x0102030405060708, 9, 2)
     assert struct.unpack_from("<qq", frame, HEADER_SIZE) == (1, -2)
     reply = encode_reply(MsgType.UNMAP, 3, 9, Status.ERROR, text="bad")
