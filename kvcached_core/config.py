@@ -50,12 +50,29 @@ class Settings:
     idle_keep_pages: int = 0
 
 
-def load_settings() -> Settings:
-    """Read every setting now; a bad value raises naming the variable."""
-    page_mb = env_int("KVCACHED_PAGE_SIZE_MB", 2, minimum=1)
+#: Built-in defaults of :func:`load_settings` (an engine adapter may pass its own).
+DEFAULTS = dict(page_size_mb=2, min_reserved_pages=2, max_reserved_pages=8, idle_trim_s=5.0,
+                idle_keep_pages=0, gpu_utilization=0.95)
+
+
+def load_settings(**defaults: float) -> Settings:
+    """Read every setting now; a bad value raises naming the variable.
+
+    Keyword arguments replace the built-in :data:`DEFAULTS` (an engine adapter's
+    own defaults, e.g. ``idle_trim_s=1.0``); a variable that is set wins.
+
+    Raises:
+        KVCachedConfigError: A variable's value is bad, or ``defaults`` names
+            an unknown setting.
+    """
+    unknown = set(defaults) - set(DEFAULTS)
+    if unknown:
+        raise KVCachedConfigError(f"unknown kvcached settings {sorted(unknown)}")
+    d = {**DEFAULTS, **defaults}
+    page_mb = env_int("KVCACHED_PAGE_SIZE_MB", int(d["page_size_mb"]), minimum=1)
     layout = os.environ.get("KVCACHED_CONTIGUOUS_LAYOUT", "").strip()
-    min_res = env_int("KVCACHED_MIN_RESERVED_PAGES", 2, minimum=0)
-    max_res = env_int("KVCACHED_MAX_RESERVED_PAGES", 8, minimum=0)
+    min_res = env_int("KVCACHED_MIN_RESERVED_PAGES", int(d["min_reserved_pages"]), minimum=0)
+    max_res = env_int("KVCACHED_MAX_RESERVED_PAGES", int(d["max_reserved_pages"]), minimum=0)
     if max_res < min_res:
         raise KVCachedConfigError(
             f"KVCACHED_MAX_RESERVED_PAGES={max_res} is below KVCACHED_MIN_RESERVED_PAGES={min_res}"
@@ -67,10 +84,12 @@ def load_settings() -> Settings:
         prealloc=env_bool("KVCACHED_PREALLOC", True),
         min_reserved_pages=min_res,
         max_reserved_pages=max_res,
-        idle_trim_s=env_float("KVCACHED_IDLE_TRIM_S", 5.0, minimum=0.0),
+        idle_trim_s=env_float("KVCACHED_IDLE_TRIM_S", float(d["idle_trim_s"]), minimum=0.0),
         memory_limit=parse_size(limit_text, "KVCACHED_MEMORY_LIMIT") if limit_text else None,
-        gpu_utilization=env_float("KVCACHED_GPU_UTILIZATION", 0.95, minimum=0.05, maximum=1.0),
-        idle_keep_pages=env_int("KVCACHED_IDLE_KEEP_PAGES", 0, minimum=0),
+        gpu_utilization=env_float("KVCACHED_GPU_UTILIZATION", float(d["gpu_utilization"]),
+                                  minimum=0.05, maximum=1.0),
+        idle_keep_pages=env_int("KVCACHED_IDLE_KEEP_PAGES", int(d["idle_keep_pages"]),
+                                minimum=0),
     )
 
 

@@ -90,7 +90,7 @@ class KVBlockManager:
     ) -> None:
         layout = page_allocator.kv_tensors.layout
         page = layout.page_size
-        self._check_geometry(block_bytes, page, page_allocator.kv_tensors.mapper.granularity)
+        self._check_geometry(block_bytes, page, page_allocator.kv_tensors.granularity)
         if (isinstance(block_offset, bool) or not isinstance(block_offset, int)
                 or not 0 <= block_offset < block_bytes):
             raise KVCachedConfigError(

@@ -171,8 +171,19 @@ class KVLayout:
         return self.buffer_bytes * self.num_layers * self.num_buffers
 
 
+def _device_pages(free: int, total: int, pooled: int, utilization: float, page_bytes: int,
+                  handles_per_page: int) -> int:
+    """Pages a device with ``free`` of ``total`` bytes can still back, keeping ``1 - utilization``."""
+    spare = max(0, free - int(total * (1.0 - utilization)))
+    return spare // page_bytes + pooled // max(1, handles_per_page)
+
+
 class KVTensors:
     """The virtual tensors of one KV group, and page-id map / unmap over them.
+
+    This is the *page backing* a :class:`~kvcached_core.allocator.PageAllocator`
+    drives (local memory); :class:`~kvcached_core.ipc.remote.RemoteKVTensors`
+    is the same interface over the memory of worker processes.
 
     Args:
         mapper: A ``PageMapper`` whose page size is ``layout.mapper_page_size``.
@@ -238,6 +249,11 @@ class KVTensors:
         return self._layout.num_tensors
 
     @property
+    def granularity(self) -> int:
+        """The device's mapping granularity in bytes."""
+        return self._mapper.granularity
+
+    @property
     def virtual_tensors(self) -> tuple[Any, ...]:
         """The reserved ``VirtualTensor`` objects (one if contiguous)."""
         return tuple(self._tensors)
@@ -263,6 +279,19 @@ class KVTensors:
     def mapped_pages(self) -> int:
         """Page ids mapped in the first buffer (all buffers agree outside a failure)."""
         return self._tensors[0].mapped_pages
+
+    def trim_pool(self, keep_pages: int = 0) -> int:
+        """Release the mapper's pooled handles beyond ``keep_pages`` pages' worth."""
+        return self._mapper.trim_pool(keep_pages * self.handles_per_page)
+
+    def free_device_pages(self, utilization: float) -> int:
+        """Page ids the device can still back while ``1 - utilization`` of it stays free.
+
+        Pooled handles count: a page mapped from the pool takes no new memory.
+        """
+        free, total = self._mapper.mem_info()
+        return _device_pages(free, total, self._mapper.stats().pooled_handles, utilization,
+                             self.page_bytes, self.handles_per_page)
 
     # ------------------------------------------------------------------ views
 

@@ -20,13 +20,31 @@ Reserve policy
 pages (lowest id first) in one all-or-nothing batch. ``free_pages`` keeps
 freed pages in the reserve up to ``max_reserved`` and unmaps the rest. With
 ``prealloc`` on, a background thread refills the reserve to ``min_reserved``
-after allocations drain it. Unmapped handles stay in the mapper's recycle
-pool, which the allocator trims to ``max_reserved`` pages' worth after each
-unmap, so the physical footprint is at most in-use + 2 x ``max_reserved``
-pages. After ``idle_trim_s`` seconds without a page allocation or free the
-thread unmaps the reserve down to ``idle_keep`` pages and empties the pool
-(once per idle spell): the first allocation of the next burst then takes a
-kept page instead of waiting for a map.
+after allocations drain it, in batches of at most :data:`REFILL_BATCH` pages.
+With ``follow_demand`` (the default on GPUs, whose engines take pages far
+faster than one batch) the refill target is the number of pages allocated in
+the last :data:`DEMAND_WINDOW_S` seconds (between ``min_reserved`` and
+``max_reserved``), so the pages a busy engine will take next are mapped while
+its current step runs; an allocation that a refill in flight will cover waits
+for it instead of mapping the same amount again. Unmapped handles stay in the
+mapper's recycle pool, which the allocator trims to ``max_reserved`` pages'
+worth after each unmap, so the physical footprint is at most in-use + 2 x
+``max_reserved`` pages. After ``idle_trim_s`` seconds without a page
+allocation or free the thread unmaps the reserve down to ``idle_keep`` pages
+and empties the pool (once per idle spell): the first allocation of the next
+burst then takes a kept page instead of waiting for a map.
+
+Step fence
+----------
+With a :class:`~kvcached_core.allocator.fence.StepFence` an engine that
+schedules ahead tells the allocator when device work that may read a freed
+page has finished. A freed page then stays mapped (in the reserve, where an
+allocation may take it again) until the fence passes the step during which it
+was freed, and the background thread unmaps the reserve's excess (beyond
+``max_reserved``, or beyond the memory limit) once the fence allows, off the
+engine's scheduling path. The idle trim needs no fence: after ``idle_trim_s``
+without an allocation or free no step that could read those pages is pending.
+Without a fence, ``free_pages`` unmaps the excess at once.
 
 Memory limit
 ------------
@@ -41,10 +59,22 @@ under the limit it stays there. With ``strict=True`` such a limit raises
 Out of memory
 -------------
 Running out of device memory is a scheduling miss: ``alloc_pages`` returns
-``None`` with every page back where it was. On GPU backends free device
-memory is read through ``mem_info()`` at most every ``mem_info_ttl_s``
-seconds (never per allocation), keeping ``1 - gpu_utilization`` of the device
-free, and pages in the mapper's pool count as available.
+``None`` with every page back where it was (a ``MemoryError`` from the backing,
+such as :class:`~kvcached_core.errors.DeviceOutOfMemoryError` or a worker's
+:class:`~kvcached_core.errors.WorkerOutOfMemoryError`). On GPU backings the
+pages the device can still back are read through the backing's
+``free_device_pages`` at most every ``mem_info_ttl_s`` seconds (never per
+allocation), keeping ``1 - gpu_utilization`` of the device free; pooled
+handles count as available.
+
+The backing
+-----------
+The allocator drives its ``kv_tensors`` through one small interface:
+``num_pages``, ``page_bytes``, ``handles_per_page``, ``device``,
+``map_pages``, ``unmap_pages``, ``is_mapped``, ``trim_pool`` and
+``free_device_pages``. :class:`~kvcached_core.allocator.KVTensors` implements
+it over local memory, :class:`~kvcached_core.ipc.remote.RemoteKVTensors` over
+the memory of worker processes.
 
 Threads and fork
 ----------------
@@ -67,27 +97,34 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvcached_core.allocator.fence import StepFence
 from kvcached_core.allocator.kv_tensors import KVTensors
 from kvcached_core.config import Settings, load_settings
 from kvcached_core.errors import (
-    DeviceOutOfMemoryError,
     KVCachedConfigError,
     KVCachedError,
     MappingError,
 )
 
-__all__ = ["PageAllocator", "PageStats"]
+__all__ = ["DEMAND_WINDOW_S", "REFILL_BATCH", "PageAllocator", "PageStats"]
+
+#: Pages one background refill maps in one backing call (the reserve grows in
+#: such batches, so an allocation that needs a fresh map waits for at most one).
+REFILL_BATCH = 4
+#: With ``follow_demand``, the refill target is the pages allocated this long back.
+DEMAND_WINDOW_S = 0.2
 
 _log = logging.getLogger(__name__)
 
 _FREE, _RESERVED, _IN_USE, _MAPPING, _UNMAPPING, _BROKEN = range(6)
 _STATE_NAMES = ("free", "reserved", "in use", "being mapped", "being unmapped", "broken")
 
-_WAIT, _STOP, _REFILL, _TRIM = range(4)
+_WAIT, _STOP, _REFILL, _TRIM, _RETIRE = range(5)
 
 
 class _Unset:
@@ -146,6 +183,8 @@ def _worker_loop(ref: weakref.ref[PageAllocator], cond: threading.Condition) -> 
         try:
             if action == _REFILL:
                 alloc._refill()
+            elif action == _RETIRE:
+                alloc._retire()
             else:
                 alloc.trim(alloc._idle_keep)
         except Exception:  # keep the thread alive; the next activity retries
@@ -171,6 +210,10 @@ class PageAllocator:
         gpu_utilization: On GPUs, leave ``1 - x`` of device memory free.
         sync_on_unmap: Wait for queued device work before unmapping.
         mem_info_ttl_s: How long a device free-memory reading stays valid.
+        fence: Keep freed pages mapped until the engine's device work that may
+            read them has finished (see the module docs).
+        follow_demand: Refill the reserve to the recent allocation rate
+            (default: on GPU backings).
 
     Raises:
         KVCachedConfigError: A setting is out of range.
@@ -191,6 +234,8 @@ class PageAllocator:
         gpu_utilization: float | None = None,
         sync_on_unmap: bool = True,
         mem_info_ttl_s: float = 0.1,
+        fence: StepFence | None = None,
+        follow_demand: bool | None = None,
     ) -> None:
         s = settings if settings is not None else load_settings()
         total = kv_tensors.num_pages
@@ -213,7 +258,6 @@ class PageAllocator:
                 f"idle_trim_s={trim_s} must be >= 0 and gpu_utilization={util} in (0, 1]"
             )
         self._kv = kv_tensors
-        self._mapper = kv_tensors.mapper
         self._num_pages = n
         self._page_bytes = kv_tensors.page_bytes
         self._prealloc = s.prealloc if prealloc is None else bool(prealloc)
@@ -222,7 +266,12 @@ class PageAllocator:
         self._idle_trim_s = float(trim_s)
         self._idle_keep = min(keep, self._max_reserved)
         self._sync_on_unmap = sync_on_unmap
-        self._pool_keep = self._max_reserved * kv_tensors.handles_per_page
+        self._fence = fence
+        self._stamps: dict[int, int] = {}  # reserved page -> fence step it was freed in
+        self._retire_wanted = False  # the reserve exceeds its cap or the limit
+        self._follow = kv_tensors.device.is_gpu if follow_demand is None else bool(follow_demand)
+        self._demand: deque[tuple[float, int]] = deque()  # (time, pages) of recent allocations
+        self._demand_sum = 0
 
         self._cond = threading.Condition(threading.RLock())
         self._state = bytearray(n)  # all _FREE
@@ -253,6 +302,16 @@ class PageAllocator:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         weakref.finalize(self, _wake, self._cond)
+        if fence is not None:
+            ref = weakref.ref(self)
+
+            def on_step_completed() -> None:
+                alloc = ref()
+                if alloc is not None and alloc._retire_wanted:
+                    with alloc._cond:
+                        alloc._cond.notify_all()
+
+            fence.subscribe(self, on_step_completed)
 
         limit = s.memory_limit if memory_limit is _UNSET else memory_limit
         if limit is not None:
@@ -367,23 +426,34 @@ class PageAllocator:
         with self._cond:
             if self._closed:
                 raise KVCachedError("this PageAllocator is closed")
+            now = time.monotonic()
+            if self._follow:
+                self._demand.append((now, n))
+                self._demand_sum += n
             while True:
                 from_reserve = min(n, len(self._reserved))
                 fresh_n = n - from_reserve
-                if fresh_n <= self._room_locked():
+                if not fresh_n:
+                    break
+                # A refill in flight that covers what is missing lands sooner than a
+                # fresh map of the same pages (which would queue behind it anyway).
+                if fresh_n > self._n_prefetch and fresh_n <= self._room_locked():
                     break
                 if not self._n_prefetch:
                     return None
                 self._cond.wait()  # a background refill is landing; count again
             taken = self._reserved[len(self._reserved) - from_reserve :]
             del self._reserved[len(self._reserved) - from_reserve :]
+            if self._stamps:
+                for p in taken:
+                    self._stamps.pop(p, None)
             fresh = self._take_free_locked(fresh_n)
             self._set_locked(taken, _IN_USE)
             self._n_in_use += from_reserve
-            self._touch_locked()
+            self._touch_locked(now)
             if (
                 self._prealloc
-                and len(self._reserved) + self._n_prefetch < self._min_reserved
+                and len(self._reserved) + self._n_prefetch < self._refill_target_locked(now)
                 and self._free
             ):
                 self._refill_wanted = True
@@ -414,6 +484,7 @@ class PageAllocator:
             state = self._state[page_id]
             if state == _RESERVED:
                 self._reserved.remove(page_id)
+                self._stamps.pop(page_id, None)
                 self._set_locked([page_id], _IN_USE)
                 self._n_in_use += 1
                 self._touch_locked()
@@ -450,6 +521,19 @@ class PageAllocator:
                     raise MappingError(f"cannot free page {p}: it is {what}, not in use")
                 seen.add(p)
             self._n_in_use -= len(pages)
+            if self._fence is not None and not self._closed:
+                # Steps up to the current one may still read these pages: keep them
+                # mapped; the background thread unmaps the excess once the fence allows.
+                stamp = self._fence.scheduled
+                self._set_locked(pages, _RESERVED)
+                self._reserved.extend(pages)
+                for p in pages:
+                    self._stamps[p] = stamp
+                self._touch_locked()
+                if self._excess_locked() > 0:
+                    self._retire_wanted = True
+                    self._cond.notify_all()
+                return
             cap = min(len(pages), 0 if self._closed else self._max_reserved - len(self._reserved))
             limit_room = self._limit_pages - self._mapped_locked()  # without these pages
             keep = max(0, min(cap, limit_room))
@@ -461,7 +545,7 @@ class PageAllocator:
         if drop:
             self._unmap(drop)
             # Unmapped for the limit: give the memory back to the device too.
-            self._trim_pool(0 if limit_room < cap else self._pool_keep)
+            self._trim_pool(0 if limit_room < cap else self._max_reserved)
 
     def free_page(self, page_id: int) -> None:
         """Give one page back (see :meth:`free_pages`)."""
@@ -498,7 +582,10 @@ class PageAllocator:
             self._limit_pages = pages
             self.limit_changes += 1
             self._limit_bytes = limit_bytes
-            drop = self._pop_reserve_locked(self._mapped_locked() - pages)
+            drop = self._pop_reserve_locked(self._mapped_locked() - pages, safe_only=True)
+            if self._excess_locked() > 0:  # pages the fence still holds: retired later
+                self._retire_wanted = True
+                self._cond.notify_all()
         if drop:
             self._unmap(drop)
         if lowered:
@@ -595,18 +682,51 @@ class PageAllocator:
         self._set_locked(pages, _UNMAPPING)
         self._n_unmapping += len(pages)
 
-    def _pop_reserve_locked(self, n: int) -> list[int]:
-        """Take up to ``n`` of the newest reserved pages and mark them for unmapping."""
+    def _pop_reserve_locked(self, n: int, safe_only: bool = False) -> list[int]:
+        """Take up to ``n`` reserved pages and mark them for unmapping.
+
+        The newest go first; with ``safe_only`` only pages the fence allows,
+        the oldest first (the newest are the likeliest to be taken again).
+        """
         n = min(n, len(self._reserved))
         if n <= 0:
             return []
-        drop = self._reserved[len(self._reserved) - n :]
-        del self._reserved[len(self._reserved) - n :]
+        stamps, fence = self._stamps, self._fence
+        if safe_only and stamps and fence is not None:
+            drop, keep = [], []
+            for p in self._reserved:
+                stamp = stamps.get(p)
+                if len(drop) < n and (stamp is None or fence.is_safe(stamp)):
+                    drop.append(p)
+                else:
+                    keep.append(p)
+            self._reserved = keep
+        else:
+            drop = self._reserved[len(self._reserved) - n :]
+            del self._reserved[len(self._reserved) - n :]
+        if stamps:
+            for p in drop:
+                stamps.pop(p, None)
         self._begin_unmap_locked(drop)
         return drop
 
-    def _touch_locked(self) -> None:
-        self._last_activity = time.monotonic()
+    def _excess_locked(self) -> int:
+        """Reserved pages beyond the reserve's cap or the memory limit."""
+        over_cap = len(self._reserved) - (0 if self._closed else self._max_reserved)
+        over_limit = self._mapped_locked() - self._n_unmapping - self._limit_pages
+        return min(len(self._reserved), max(over_cap, over_limit))
+
+    def _refill_target_locked(self, now: float) -> int:
+        """How many pages the reserve should hold now (see the module docs)."""
+        if not self._follow:
+            return self._min_reserved
+        demand = self._demand
+        while demand and now - demand[0][0] > DEMAND_WINDOW_S:
+            self._demand_sum -= demand.popleft()[1]
+        return max(self._min_reserved, min(self._demand_sum, self._max_reserved))
+
+    def _touch_locked(self, now: float | None = None) -> None:
+        self._last_activity = time.monotonic() if now is None else now
         if self._idle_trimmed:
             self._idle_trimmed = False
             self._cond.notify_all()  # the worker waits without a deadline after a trim
@@ -619,6 +739,7 @@ class PageAllocator:
         try:
             self._kv.map_pages(fresh)
         except BaseException as exc:
+            oom = isinstance(exc, MemoryError)
             with self._cond:
                 self._n_mapping -= len(fresh)
                 self._set_locked(fresh, _FREE)
@@ -629,11 +750,9 @@ class PageAllocator:
                 self._n_in_use -= len(taken)
                 if self._phys_pages is not None:
                     # The device is fuller than the last reading: trust none until the next.
-                    self._phys_pages = 0 if isinstance(exc, DeviceOutOfMemoryError) else (
-                        self._phys_pages + len(fresh)
-                    )
+                    self._phys_pages = 0 if oom else self._phys_pages + len(fresh)
                 self._cond.notify_all()
-            if isinstance(exc, DeviceOutOfMemoryError):
+            if oom:
                 return False
             raise
         with self._cond:
@@ -671,30 +790,36 @@ class PageAllocator:
                 self._phys_pages += freed
             self._cond.notify_all()
 
-    def _trim_pool(self, keep: int) -> None:
+    def _trim_pool(self, keep_pages: int) -> None:
         try:
-            self._mapper.trim_pool(keep)
+            self._kv.trim_pool(keep_pages)
         except Exception:
             _log.exception("kvcached: releasing pooled page handles failed")
 
     def _refresh_phys(self) -> None:
-        """Re-read device free memory when the last reading is stale (GPUs only)."""
+        """Re-read what the device can still back when the last reading is stale (GPUs only)."""
         if not self._gpu:
             return
         now = time.monotonic()
         if now - self._phys_at < self._mem_ttl:
             return
-        free, total = self._mapper.mem_info()
-        pooled = self._mapper.stats().pooled_handles // self._kv.handles_per_page
-        spare = max(0, free - int(total * (1.0 - self._headroom)))
+        self._phys_at = now  # one reader at a time; others use the last reading
+        try:
+            pages = self._kv.free_device_pages(self._headroom)
+        except Exception:
+            _log.exception("kvcached: reading the device's free memory failed")
+            return
         with self._cond:
-            self._phys_pages = spare // self._page_bytes + pooled
-            self._phys_at = now
+            # Maps in flight may not show in the reading yet.
+            self._phys_pages = max(0, pages - self._n_mapping)
+            self._phys_at = time.monotonic()
 
     # ------------------------------------------------------------ background
 
     def _ensure_worker(self) -> None:
-        if self._thread is not None or not (self._prealloc or self._idle_trim_s > 0):
+        if self._thread is not None or not (
+            self._prealloc or self._idle_trim_s > 0 or self._fence is not None
+        ):
             return
         with self._cond:
             if self._thread is None and not self._stop:
@@ -711,6 +836,12 @@ class PageAllocator:
         """The worker's next step, and how long to wait when there is none."""
         if self._stop:
             return _STOP, None
+        if self._retire_wanted:
+            if self._excess_locked() <= 0:
+                self._retire_wanted = False
+            elif self._safe_excess_locked():
+                self._worker_busy = True
+                return _RETIRE, None
         if self._refill_wanted:
             self._refill_wanted = False
             self._worker_busy = True
@@ -729,23 +860,45 @@ class PageAllocator:
             self._worker_busy = False
             self._cond.notify_all()
 
+    def _safe_excess_locked(self) -> bool:
+        """Whether some reserved page beyond the cap or the limit may be unmapped now."""
+        fence, stamps = self._fence, self._stamps
+        if fence is None or not stamps:
+            return True
+        return any(stamps.get(p, 0) <= fence.completed for p in self._reserved)
+
+    def _retire(self) -> None:
+        """Unmap the reserve's excess that the fence allows (background thread)."""
+        with self._cond:
+            drop = self._pop_reserve_locked(min(self._excess_locked(), 4 * REFILL_BATCH),
+                                            safe_only=True)
+            lowered = self._mapped_locked() - len(drop) > self._limit_pages
+        if drop:
+            self._unmap(drop)
+            self._trim_pool(0 if lowered else self._max_reserved)
+
     def _refill(self) -> None:
-        """Map pages into the reserve up to ``min_reserved`` (background thread)."""
+        """Map one batch of pages into the reserve, towards its target (background thread)."""
         self._refresh_phys()
         with self._cond:
-            want = self._min_reserved - len(self._reserved) - self._n_prefetch
-            k = min(want, self._room_locked())
+            target = self._refill_target_locked(time.monotonic())
+            want = target - len(self._reserved) - self._n_prefetch
+            k = min(want, self._room_locked(), REFILL_BATCH)
             if self._closed or k <= 0:
                 return
             fresh = self._take_free_locked(k)
             self._n_prefetch += k
+        ok = False
         try:
-            self._map_fresh([], fresh, prefetch=True)
+            ok = self._map_fresh([], fresh, prefetch=True)
         finally:
             with self._cond:
                 self._n_prefetch -= k
                 # The limit may have dropped while mapping: hand back the excess.
-                drop = self._pop_reserve_locked(self._mapped_locked() - self._limit_pages)
+                drop = self._pop_reserve_locked(self._mapped_locked() - self._limit_pages,
+                                                safe_only=True)
+                if ok and not drop and len(self._reserved) + self._n_prefetch < target:
+                    self._refill_wanted = True  # the next batch
                 self._cond.notify_all()  # allocations waiting for this refill
             if drop:
                 self._unmap(drop)

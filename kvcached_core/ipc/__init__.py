@@ -5,14 +5,18 @@
 - :mod:`~kvcached_core.ipc.worker`: :class:`WorkerListener`, run by each worker process.
 - :mod:`~kvcached_core.ipc.broadcast`: :class:`WorkerGroup` / :class:`MapBroadcaster`,
   used by the scheduler.
+- :mod:`~kvcached_core.ipc.remote`: :class:`RemoteKVTensors`, the page backing of a
+  scheduler whose KV memory lives in its workers.
 - :mod:`~kvcached_core.ipc.shm`: per-pool shared-memory segments read by ``kvctl`` and ``kvtop``.
 
 Importing this package starts no thread and opens no socket or file.
 """
 
 from kvcached_core.errors import IPCError, ProtocolError, WorkerError
-from kvcached_core.ipc.broadcast import Endpoint, MapBroadcaster, WorkerGroup
+from kvcached_core.ipc.broadcast import (Endpoint, MapBroadcaster, WorkerGroup, listening,
+                                         namespace_endpoints)
 from kvcached_core.ipc.paths import namespace, socket_path
+from kvcached_core.ipc.remote import RemoteKVTensors
 from kvcached_core.ipc.shm import NO_LIMIT, PoolSegment, PoolStats, list_pools, set_limit
 from kvcached_core.ipc.worker import WorkerListener
 
@@ -24,11 +28,14 @@ __all__ = [
     "PoolSegment",
     "PoolStats",
     "ProtocolError",
+    "RemoteKVTensors",
     "WorkerError",
     "WorkerGroup",
     "WorkerListener",
     "list_pools",
+    "listening",
     "namespace",
+    "namespace_endpoints",
     "set_limit",
     "socket_path",
 ]

@@ -46,7 +46,8 @@ from kvcached_core.ipc import paths
 from kvcached_core.ipc.protocol import Message, MsgType, Status, encode_request, read_message
 from kvcached_core.ipc.worker import _trusted, peer_credentials
 
-__all__ = ["Endpoint", "WorkerGroup", "MapBroadcaster", "DEFAULT_TIMEOUT_S"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Endpoint", "MapBroadcaster", "WorkerGroup", "listening",
+           "namespace_endpoints"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _MIN_HANDSHAKE_S = 1.0
@@ -104,6 +105,29 @@ _FORK_HOOK = False
 def _after_fork_in_child() -> None:
     for group in list(_GROUPS):
         group._lock = threading.Lock()  # a thread of the parent may have held it
+
+
+def namespace_endpoints(namespace: str, tp_size: int, pp_size: int = 1, *,
+                        base: str | os.PathLike[str] | None = None) -> list[Endpoint]:
+    """The ``pp_size x tp_size`` workers of a namespace, at their standard socket paths."""
+    return [
+        Endpoint(rank, os.fspath(paths.socket_path(namespace, rank, stage, base)), stage)
+        for stage in range(pp_size)
+        for rank in range(tp_size)
+    ]
+
+
+def listening(endpoint: Endpoint) -> bool:
+    """Whether a process accepts connections at ``endpoint`` right now (no waiting, no handshake)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(1.0)
+    try:
+        sock.connect(endpoint.path)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 class WorkerGroup:
@@ -174,12 +198,8 @@ class WorkerGroup:
         Every pipeline stage is included: a KV page is mapped on every stage,
         each for its own layers.
         """
-        eps = [
-            Endpoint(rank, os.fspath(paths.socket_path(namespace, rank, stage, base)), stage)
-            for stage in range(pp_size)
-            for rank in range(tp_size)
-        ]
-        return cls(eps, timeout=timeout, connect_timeout=connect_timeout)
+        return cls(namespace_endpoints(namespace, tp_size, pp_size, base=base), timeout=timeout,
+                   connect_timeout=connect_timeout)
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:

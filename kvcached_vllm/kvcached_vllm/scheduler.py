@@ -1,39 +1,46 @@
 """Scheduler side: kvcached's page and block allocators driving the workers' memory.
 
 The engine-core process owns no KV memory (the workers do, in other processes
-on CPU and at TP > 1), so its allocator works on :class:`RemoteKVTensors`: a
-stand-in for :class:`~kvcached_core.allocator.KVTensors` whose map / unmap are
-broadcast to every worker (all TP ranks of all PP stages) over kvcached's IPC
-sockets, and which publishes the pool's bytes to a shared-memory segment that
-``kvctl`` reads and sets limits through.
+on CPU and at TP > 1), so its page allocator works on kvcached-core's
+:class:`~kvcached_core.ipc.remote.RemoteKVTensors`: map / unmap are broadcast
+to every worker (all TP ranks of all PP stages) over kvcached's IPC sockets,
+and on a GPU the workers' free device memory bounds what is mapped. The pool's
+bytes are published to a shared-memory segment that ``kvctl`` reads and sets
+limits through.
 
 :func:`scheduler_context` is entered around ``Scheduler.__init__`` (it has the
 ``VllmConfig`` and the ``KVCacheConfig``); :func:`make_block_pool` replaces the
 ``BlockPool`` name the KV cache coordinator instantiates and builds the
-:class:`~kvcached_vllm.pool.ElasticBlockPool` when a context is active.
+:class:`~kvcached_vllm.pool.ElasticBlockPool` when a context is active. The
+workers set their KV cache up before the scheduler is built: when none of them
+serves its pages (each says why in its log), the engine runs with vLLM's own
+pool; ``KVCACHED_STRICT=1`` refuses to start instead. The scheduler's
+:class:`~kvcached_core.allocator.fence.StepFence` counts its steps
+(``schedule`` / ``update_from_output``), so a page freed while a step that may
+read it is still on its way to the workers stays mapped until that step is done.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kvcached_core.allocator import KVBlockManager, KVLayout, PageAllocator
+from kvcached_core.allocator.fence import StepFence
+from kvcached_core.config import load_settings, max_cached_tokens
 from kvcached_core.device import Device
-from kvcached_core.config import max_cached_tokens
-from kvcached_core.errors import DeviceOutOfMemoryError, IPCError, WorkerError
-from kvcached_core.ipc import PoolSegment, WorkerGroup
+from kvcached_core.env import env_bool
+from kvcached_core.errors import IPCError, KVCachedConfigError
+from kvcached_core.ipc import PoolSegment, RemoteKVTensors, listening, namespace_endpoints
 
 from kvcached_vllm.geometry import KVGeometry, block_offset_for
 
 __all__ = [
     "ElasticRuntime",
-    "RemoteKVTensors",
     "instance_namespace",
     "make_block_pool",
     "runtimes",
@@ -42,12 +49,16 @@ __all__ = [
 
 log = logging.getLogger("kvcached.vllm")
 
-#: Default idle time before the reserve of mapped pages is released (vLLM adapter).
-DEFAULT_IDLE_TRIM_S = 1.0
-#: Default reserved pages the idle trim leaves mapped: the next burst's first
-#: allocation takes one without waiting for the worker (the shrink target
-#: allows one page bundle above the live data).
-DEFAULT_IDLE_KEEP_PAGES = 1
+#: The vLLM adapter's defaults for kvcached-core's settings (a variable that is
+#: set wins): the reserve of mapped pages is released after 1 s without an
+#: allocation, down to one page bundle, so the next burst's first allocation
+#: takes one without waiting for the workers (the shrink target allows one
+#: bundle above the live data).
+SETTINGS = dict(idle_trim_s=1.0, idle_keep_pages=1)
+#: On GPUs a prefill step takes tens of page bundles (a 1B model's bundle holds
+#: 512 tokens) while the workers map about 40 GB/s: the reserve follows the
+#: allocation rate up to this many bundles, mapped while the step runs.
+GPU_SETTINGS = dict(SETTINGS, max_reserved_pages=64)
 
 
 def instance_namespace(vllm_config: Any) -> str:
@@ -63,123 +74,43 @@ def instance_namespace(vllm_config: Any) -> str:
     return namespace(f"vllm-{vllm_config.instance_id}-dp{dp}")
 
 
-class _RemoteMapper:
-    """The slice of the ``PageMapper`` interface the page allocator uses, for remote memory."""
-
-    granularity = 4096
-    backend = "host"
-    device = 0
-
-    def trim_pool(self, keep: int = 0) -> int:  # the workers keep their own pools small
-        return 0
-
-    def mem_info(self) -> tuple[int, int]:
-        return (0, 0)
-
-
-class RemoteKVTensors:
-    """KV tensors that live in the workers: page map / unmap are broadcast to them.
-
-    Duck-types :class:`~kvcached_core.allocator.KVTensors` for
-    :class:`~kvcached_core.allocator.PageAllocator`. A worker that runs out of
-    memory makes :meth:`map_pages` raise
-    :class:`~kvcached_core.errors.DeviceOutOfMemoryError` after the workers that
-    did map are rolled back, so the allocator reports "no space".
-
-    Args:
-        layout: The pool geometry (one "layer" per region, one buffer).
-        workers: Connections to every worker of the engine.
-        group: KV group id sent with each request.
-        segment: Shared-memory segment to publish bytes to (optional).
-    """
-
-    def __init__(self, layout: KVLayout, workers: WorkerGroup, group: int = 0,
-                 segment: PoolSegment | None = None) -> None:
-        self.layout = layout
-        self.workers = workers
-        self.group = group
-        self.segment = segment
-        self.mapper = _RemoteMapper()
-        self.device = Device("host", 0, "cpu")
-        self._mapped: set[int] = set()
-        self._lock = threading.RLock()
-        self.allocator: PageAllocator | None = None  # set by the owner, for the segment
-
-    num_pages = property(lambda self: self.layout.num_pages)
-    page_bytes = property(lambda self: self.layout.page_bytes)
-    handles_per_page = property(lambda self: self.layout.num_tensors)
-
-    def map_pages(self, page_ids: Sequence[int]) -> None:
-        pages = list(page_ids)
-        try:
-            self.workers.map(self.group, pages)
-        except WorkerError as exc:
-            if exc.succeeded:
-                with contextlib.suppress(Exception):
-                    self._unmap_on(exc.succeeded, pages)
-            if "OutOfMemory" in exc.cause or "out of memory" in exc.cause.lower():
-                raise DeviceOutOfMemoryError(str(exc)) from exc
-            raise
-        with self._lock:
-            self._mapped.update(pages)
-        self._publish()
-
-    def _unmap_on(self, ranks: Sequence[tuple[int, int]], pages: list[int]) -> None:
-        # A partial map cannot be undone per worker through the group API; unmap
-        # everywhere and ignore "not mapped" answers from the workers that failed.
-        try:
-            self.workers.unmap(self.group, pages)
-        except WorkerError:
-            pass
-
-    def unmap_pages(self, page_ids: Sequence[int], synchronize: bool = True) -> None:
-        pages = list(page_ids)
-        self.workers.unmap(self.group, pages)
-        with self._lock:
-            self._mapped.difference_update(pages)
-        self._publish()
-
-    def is_mapped(self, page_id: int) -> bool:
-        return page_id in self._mapped
-
-    @property
-    def mapped_pages(self) -> int:
-        return len(self._mapped)
-
-    def _publish(self) -> None:
-        seg, alloc = self.segment, self.allocator
-        if seg is None or alloc is None:
-            return
-        try:
-            with self._lock:  # the segment has one writer at a time
-                st = alloc.stats()
-                seg.update(used=st.in_use * st.page_bytes, reserved=st.reserved * st.page_bytes)
-                limit = seg.poll_limit()
-            if limit is not None:
-                alloc.set_memory_limit(None if limit < 0 else limit)
-        except Exception:  # accounting must never break scheduling
-            log.debug("kvcached: publishing pool stats failed", exc_info=True)
-
-
 @dataclass
 class ElasticRuntime:
     """kvcached's state for one vLLM scheduler (one engine core)."""
 
     namespace: str
     geometry: KVGeometry
-    workers: WorkerGroup
     tensors: RemoteKVTensors
     pages: PageAllocator
     blocks: KVBlockManager
     segment: PoolSegment | None
     max_cached_blocks: int | None
+    fence: StepFence
 
     def close(self) -> None:
         """Stop the background thread and drop the connections (workers keep their memory)."""
         self.pages.close()
-        self.workers.close()
+        self.tensors.close()
         if self.segment is not None:
             self.segment.close()
+
+
+def _publisher(pages: PageAllocator, segment: PoolSegment) -> Any:
+    """After each map / unmap: publish the pool's bytes, apply a limit set through ``kvctl``."""
+    lock = threading.Lock()  # the segment has one writer at a time
+
+    def publish() -> None:
+        try:
+            with lock:
+                st = pages.stats()
+                segment.update(used=st.in_use * st.page_bytes, reserved=st.reserved * st.page_bytes)
+                limit = segment.poll_limit()
+            if limit is not None:
+                pages.set_memory_limit(None if limit < 0 else limit)
+        except Exception:  # accounting must never break scheduling
+            log.debug("kvcached: publishing pool stats failed", exc_info=True)
+
+    return publish
 
 
 _RUNTIMES: list[ElasticRuntime] = []
@@ -196,57 +127,91 @@ def _max_cached_blocks(block_size: int) -> int | None:
     return None if tokens is None else tokens // max(1, block_size)
 
 
-def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime:
+def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | None:
     """Connect to the workers and build the page and block allocators for one engine.
 
+    Returns ``None`` when no worker serves its KV pages: the workers kept vLLM's
+    own KV cache (each logged why) and so must the scheduler.
+
     Raises:
-        KVCachedConfigError: The KV layout is not one kvcached can page.
-        WorkerError: The workers are not listening (KV tensors not elastic).
+        KVCachedConfigError: The KV layout is not one kvcached can page; some
+            workers serve pages and others do not; or, with ``KVCACHED_STRICT=1``,
+            no worker does.
+        WorkerError: A worker that listens failed its handshake.
     """
-    geo = KVGeometry.from_config(
-        kv_cache_config, block_offset=block_offset_for(vllm_config.device_config.device_type))
+    device_type = str(vllm_config.device_config.device_type)
     ns = instance_namespace(vllm_config)
     par = vllm_config.parallel_config
     tp = int(par.tensor_parallel_size)
     pp = int(par.pipeline_parallel_size)
-    workers = WorkerGroup.for_namespace(ns, tp_size=tp, pp_size=pp)
+    endpoints = namespace_endpoints(ns, tp, pp)
+    serving = [listening(ep) for ep in endpoints]
+    if not all(serving):
+        missing = [ep.name for ep, up in zip(endpoints, serving) if not up]
+        if any(serving):
+            raise KVCachedConfigError(
+                f"kvcached: workers {', '.join(missing)} of engine {ns} do not serve their KV "
+                "pages while the others do; an engine cannot be half elastic (see those "
+                "workers' log)"
+            )
+        reason = (f"no worker of engine {ns} serves its KV pages (the workers' log says why); "
+                  "the engine")
+        if env_bool("KVCACHED_STRICT", False):
+            raise KVCachedConfigError(f"kvcached: {reason} would run without kvcached, and "
+                                      "KVCACHED_STRICT=1 refuses that")
+        log.warning("kvcached: %s runs with vLLM's own KV cache", reason)
+        return None
+    geo = KVGeometry.from_config(kv_cache_config, block_offset=block_offset_for(device_type))
+    gpu = device_type != "cpu"
+    device = Device(device_type, 0, device_type) if gpu else Device("host", 0, "cpu")
     layout = KVLayout(num_layers=geo.num_regions, buffer_bytes=geo.num_pages * geo.page_size,
                       page_size=geo.page_size, num_buffers=1)
+    tensors = RemoteKVTensors(layout, endpoints, 0, device=device)
+    fence = StepFence()
+    settings = load_settings(**(GPU_SETTINGS if gpu else SETTINGS))
+    pages = PageAllocator(tensors, settings=settings, fence=fence)  # type: ignore[arg-type]
     segment = None
     try:
         segment = PoolSegment.create(ns, "kv0", capacity=layout.total_bytes)
+        tensors.on_change = _publisher(pages, segment)
     except (IPCError, OSError) as exc:
         log.warning("kvcached: no shared-memory segment for kvctl (%s)", exc)
-    tensors = RemoteKVTensors(layout, workers, 0, segment)
-    overrides: dict[str, Any] = {}
-    for var, key, value in (("KVCACHED_IDLE_TRIM_S", "idle_trim_s", DEFAULT_IDLE_TRIM_S),
-                            ("KVCACHED_IDLE_KEEP_PAGES", "idle_keep", DEFAULT_IDLE_KEEP_PAGES)):
-        if not os.environ.get(var, "").strip():
-            overrides[key] = value
-    pages = PageAllocator(tensors, **overrides)  # type: ignore[arg-type]
-    tensors.allocator = pages
     blocks = KVBlockManager(pages, geo.block_bytes, num_blocks=geo.num_blocks,
                             block_offset=geo.block_offset)
     block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-    rt = ElasticRuntime(ns, geo, workers, tensors, pages, blocks, segment,
-                        _max_cached_blocks(block_size))
+    rt = ElasticRuntime(ns, geo, tensors, pages, blocks, segment,
+                        _max_cached_blocks(block_size), fence)
     _RUNTIMES.append(rt)
     log.info(
         "kvcached: elastic KV cache for vLLM: %d blocks of %d bytes (from byte %d) x %d regions, "
-        "%d pages of %d MiB, TP=%d PP=%d, namespace %s, mapped now %d bytes", geo.num_blocks,
-        geo.block_bytes, geo.block_offset, geo.num_regions, geo.num_pages, geo.page_size >> 20,
-        tp, pp, ns,
-        pages.num_mapped * geo.page_bytes)
+        "%d pages of %d MiB, TP=%d PP=%d, %s, namespace %s, mapped now %d bytes",
+        geo.num_blocks, geo.block_bytes, geo.block_offset, geo.num_regions, geo.num_pages,
+        geo.page_size >> 20, tp, pp, device_type, ns, pages.num_mapped * geo.page_bytes)
     return rt
 
 
+class _Pending:
+    """What :func:`scheduler_context` hands to :func:`make_block_pool`, and what it built."""
+
+    __slots__ = ("vllm_config", "kv_cache_config", "runtime")
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.runtime: ElasticRuntime | None = None
+
+
 @contextlib.contextmanager
-def scheduler_context(vllm_config: Any, kv_cache_config: Any) -> Iterator[None]:
-    """While a ``Scheduler`` is built, :func:`make_block_pool` builds the elastic pool."""
+def scheduler_context(vllm_config: Any, kv_cache_config: Any) -> Iterator[_Pending]:
+    """While a ``Scheduler`` is built, :func:`make_block_pool` builds the elastic pool.
+
+    Yields the record whose ``runtime`` is the one built (``None`` if vanilla).
+    """
     prev = getattr(_local, "pending", None)
-    _local.pending = (vllm_config, kv_cache_config)
+    pending = _Pending(vllm_config, kv_cache_config)
+    _local.pending = pending
     try:
-        yield
+        yield pending
     finally:
         _local.pending = prev
 
@@ -259,9 +224,12 @@ def make_block_pool(original: type) -> Any:
         if pending is None:
             return original(*args, **kwargs)
         _local.pending = None  # one pool per scheduler
+        rt = build_runtime(pending.vllm_config, pending.kv_cache_config)
+        if rt is None:
+            return original(*args, **kwargs)
+        pending.runtime = rt
         from kvcached_vllm.pool import ElasticBlockPool
 
-        rt = build_runtime(*pending)
         return ElasticBlockPool(*args, block_manager=rt.blocks,
                                 max_cached_blocks=rt.max_cached_blocks, **kwargs)
 
