@@ -606,7 +606,10 @@ class PageAllocator:
         return len(drop)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until no page is in flight and no background work is pending."""
+        """Wait until no page is in flight and no background work is pending.
+
+        Pages the step fence still holds are not pending work: they wait for the engine.
+        """
         self._check_owner()
         with self._cond:
             return self._cond.wait_for(
@@ -615,6 +618,8 @@ class PageAllocator:
                     or self._n_unmapping
                     or self._refill_wanted
                     or self._worker_busy
+                    or (self._retire_wanted and self._excess_locked() > 0
+                        and self._safe_excess_locked())
                 ),
                 timeout,
             )

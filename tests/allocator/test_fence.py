@@ -1,0 +1,147 @@
+"""The step fence and the GPU reserve policy of the page allocator, on the host backend."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvcached_core.allocator import PageAllocator
+from kvcached_core.allocator.fence import StepFence
+from kvcached_core.allocator.page_allocator import DEMAND_WINDOW_S, REFILL_BATCH
+
+from tests.allocator.test_page_allocator import mapped, wait_until
+
+
+def test_fence_counts_steps():
+    fence = StepFence()
+    assert fence.step_scheduled() == 1 and fence.step_scheduled() == 2
+    assert fence.is_safe(0) and not fence.is_safe(1)
+    fence.step_completed(1)
+    assert fence.is_safe(1) and not fence.is_safe(2) and fence.completed == 1
+    fence.step_completed(1)  # a repeat changes nothing
+    fence.step_completed()  # no number: the next step
+    assert fence.completed == 2 and fence.is_safe(2)
+    fence.step_completed()  # never past what was scheduled
+    assert fence.completed == 2
+
+
+def test_freed_pages_stay_mapped_until_their_step_completed(make_stack):
+    fence = StepFence()
+    s = make_stack(block_bytes=None, fence=fence, max_reserved=1)
+    pa = s.pages
+    fence.step_scheduled()  # step 1 reads the pages allocated now
+    got = pa.alloc_pages(4)
+    seq = fence.step_scheduled()  # step 2 is on its way when step 1's requests finish
+    fence.step_completed(1)
+    pa.free_pages(got)
+    # Step 2 may still read them: nothing is unmapped, they wait in the reserve.
+    assert pa.wait_idle(5) and mapped(s) == 4 and pa.num_reserved == 4
+    again = pa.alloc_pages(1)  # and a new allocation may take one back at once
+    assert again[0] in got and mapped(s) == 4
+    pa.free_pages(again)
+    fence.step_completed(seq)  # step 2 is done: the background unmaps down to the cap
+    assert wait_until(lambda: mapped(s) == 1 and pa.num_reserved == 1)
+    assert pa.stats().in_use == 0
+
+
+def test_a_lowered_limit_waits_for_the_fence_too(make_stack):
+    fence = StepFence()
+    s = make_stack(block_bytes=None, fence=fence, max_reserved=8)
+    pa = s.pages
+    fence.step_scheduled()
+    pa.free_pages(pa.alloc_pages(4))
+    pa.set_memory_limit(2 * pa.page_bytes)
+    assert pa.wait_idle(5) and mapped(s) == 4  # the running step may read them
+    assert pa.alloc_pages(1) is not None  # taken from the reserve: no new memory
+    fence.step_completed(1)
+    assert wait_until(lambda: mapped(s) == 2)  # the in-use page and one reserved
+    assert pa.stats().in_use == 1
+
+
+def test_idle_trim_does_not_wait_for_the_fence(make_stack):
+    fence = StepFence()
+    s = make_stack(block_bytes=None, fence=fence, idle_trim_s=0.2, max_reserved=8)
+    pa = s.pages
+    fence.step_scheduled()
+    pa.free_pages(pa.alloc_pages(3))
+    # Nothing allocated or freed for idle_trim_s: no step that could read them is pending.
+    assert wait_until(lambda: mapped(s) == 0)
+
+
+def test_without_a_fence_frees_unmap_at_once(make_stack):
+    s = make_stack(block_bytes=None, max_reserved=1)
+    s.pages.free_pages(s.pages.alloc_pages(4))
+    assert mapped(s) == 1
+
+
+def test_the_reserve_follows_the_allocation_rate(make_stack):
+    s = make_stack(block_bytes=None, num_pages=64, prealloc=True, follow_demand=True,
+                   min_reserved=1, max_reserved=12)
+    pa = s.pages
+    pa.alloc_pages(10)  # a busy engine: 10 pages within the window
+    assert pa.wait_idle(5)
+    # Refilled to the recent demand, in batches, up to max_reserved.
+    assert pa.num_reserved == 10 and mapped(s) == 20
+    pa.alloc_pages(10)  # the next step finds them mapped
+    assert pa.wait_idle(5) and pa.num_reserved == 12  # 20 in the window, capped at 12
+    time.sleep(DEMAND_WINDOW_S + 0.05)
+    pa.free_pages(pa.alloc_pages(1))  # quiet again: the target falls to min_reserved
+    assert pa.wait_idle(5)
+    assert pa.stats().reserved <= 12
+
+
+def test_gpu_backings_follow_demand_by_default(make_stack):
+    from kvcached_core.allocator import KVTensors
+    from kvcached_core.device import Device
+
+    class DeviceLike(KVTensors):  # host memory that says it is a GPU's, with room to spare
+        device = Device("cuda", 0, "cuda:0")
+
+        def free_device_pages(self, utilization: float) -> int:
+            return 1000
+
+    s = make_stack(block_bytes=None)
+    assert s.pages._follow is False  # host memory: the fixed reserve
+    gpu = PageAllocator(DeviceLike(s.kv.mapper, s.kv.layout), prealloc=False, idle_trim_s=0)
+    try:
+        assert gpu._follow is True and gpu.available_pages() == s.kv.layout.num_pages
+    finally:
+        gpu.close()
+
+
+def test_an_allocation_waits_for_a_refill_that_covers_it(make_stack):
+    s = make_stack(block_bytes=None, num_pages=64, prealloc=True, follow_demand=True,
+                   min_reserved=0, max_reserved=32)
+    pa = s.pages
+    pa.alloc_pages(8)
+    assert pa.wait_idle(5)
+    created = s.kv.mapper.stats().handles_created
+    got = pa.alloc_pages(8)  # all from the reserve
+    assert len(got) == 8 and s.kv.mapper.stats().handles_created == created
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_one_fence_serves_several_allocators_and_holds_none(n):
+    import gc
+
+    from kvcached_core.allocator import KVLayout, KVTensors
+
+    from tests.allocator.conftest import PAGE, QUIET
+
+    fence = StepFence()
+    allocs = [PageAllocator(KVTensors.open("cpu", KVLayout(1, 8 * PAGE, PAGE)), settings=QUIET,
+                            fence=fence, max_reserved=0) for _ in range(2)]
+    for _ in range(n):
+        fence.step_scheduled()
+    for pa in allocs:
+        pa.free_pages(pa.alloc_pages(2))
+    if n:
+        assert all(pa.wait_idle(5) and pa.num_mapped == 2 for pa in allocs)
+    fence.step_completed(n)
+    assert all(wait_until(lambda pa=pa: pa.num_mapped == 0) for pa in allocs)
+    for pa in allocs:
+        pa.close()
+    del pa, allocs
+    gc.collect()
+    assert len(fence._waiters) == 0  # a dead allocator is not kept alive by the fence
