@@ -231,3 +231,131 @@ def test_gpu_budget_patch_lets_a_shared_device_start():
     finally:
         patch_set.revert()
     assert gpu_worker.request_memory is original
+
+
+# ------------------------------------------------------------------ falling back to vLLM's own
+
+
+def _one_buffer_config(num_blocks: int = 64, block: int = BLOCK, layers: int = 2):
+    size = num_blocks * block
+    return SimpleNamespace(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[SimpleNamespace(size=layers * size, layers=[f"l{i}" for i in range(layers)],
+                                          layer_stride=size, block_stride=block, offset=0)],
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))])
+
+
+def _allocate(config, calls: list, layout_ok: bool = True):
+    """What vLLM's allocation does: one zeros buffer, then per-layer block-outer views."""
+    import torch
+
+    from kvcached_vllm.worker import current_backing
+
+    def allocate():
+        backing = current_backing()
+        t = config.kv_cache_tensors[0]
+        buf = (backing.zeros(t.size, dtype=torch.int8, device="cpu") if backing
+               else torch.zeros(t.size, dtype=torch.int8))
+        calls.append("elastic" if backing else "vanilla")
+        n = config.num_blocks
+        views = {}
+        for i, name in enumerate(t.layers):
+            layer = buf[i * t.layer_stride:(i + 1) * t.layer_stride]
+            views[name] = (layer.view(n, -1) if layout_ok
+                           else layer.view(-1, n).t())  # blocks innermost: not pageable
+        return views
+
+    return allocate
+
+
+def _vllm_config(ns: str, tp: int = 1):
+    return SimpleNamespace(instance_id=ns, device_config=SimpleNamespace(device_type="cpu"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                                           pipeline_parallel_size=1,
+                                                           data_parallel_rank=0))
+
+
+def test_worker_keeps_vllms_kv_cache_when_it_cannot_be_paged(caplog):
+    import uuid
+
+    from kvcached_vllm.worker import backings, elastic_kv_caches
+
+    cfg = _vllm_config(f"fb-{uuid.uuid4().hex[:8]}")
+    calls: list = []
+    too_big = _one_buffer_config(block=4 << 20)  # a block larger than a page
+    with env(KVCACHED_STRICT=None), caplog.at_level("WARNING", logger="kvcached.vllm"):
+        views = elastic_kv_caches(_allocate(too_big, calls), device="cpu",
+                                  kv_cache_config=too_big, vllm_config=cfg)
+    assert calls == ["vanilla"] and set(views) == {"l0", "l1"}
+    [line] = [r.getMessage() for r in caplog.records if "cannot page" in r.getMessage()]
+    assert "KVCACHED_PAGE_SIZE_MB=4" in line and "keeps vLLM's own KV cache" in line
+
+    # Views kvcached cannot page: the elastic buffer is dropped, vLLM allocates again.
+    calls.clear()
+    reset: list = []
+    before = len(backings())
+    with env(KVCACHED_STRICT=None):
+        views = elastic_kv_caches(_allocate(_one_buffer_config(), calls, layout_ok=False),
+                                  device="cpu", kv_cache_config=_one_buffer_config(),
+                                  vllm_config=cfg, reset=lambda: reset.append(1))
+    assert calls == ["elastic", "vanilla"] and reset == [1] and len(backings()) == before
+    with env(KVCACHED_STRICT="1"), pytest.raises(KVCachedConfigError, match="KVCACHED_STRICT=1"):
+        elastic_kv_caches(_allocate(too_big, []), device="cpu", kv_cache_config=too_big,
+                          vllm_config=cfg)
+
+
+def test_scheduler_keeps_vllms_pool_unless_every_worker_serves(tmp_path, monkeypatch):
+    import uuid
+
+    from kvcached_core.ipc import WorkerListener
+    from kvcached_vllm.scheduler import build_runtime, instance_namespace
+
+    tmp_path.chmod(0o700)
+    monkeypatch.setenv("KVCACHED_IPC_DIR", str(tmp_path))
+    monkeypatch.delenv("KVCACHED_IPC_NAME", raising=False)
+    cfg = _vllm_config(f"sc-{uuid.uuid4().hex[:8]}", tp=2)
+    kv = _one_buffer_config()
+    with env(KVCACHED_STRICT=None):
+        assert build_runtime(cfg, kv) is None  # nobody serves: vLLM's own pool
+    with env(KVCACHED_STRICT="1"), pytest.raises(KVCachedConfigError, match="refuses"):
+        build_runtime(cfg, kv)
+    ns = instance_namespace(cfg)
+    with WorkerListener.for_namespace(ns, rank=1, handler=lambda *a: None):
+        with env(KVCACHED_STRICT=None), pytest.raises(KVCachedConfigError,
+                                                      match="rank 0 .* half elastic"):
+            build_runtime(cfg, kv)  # rank 1 serves, rank 0 does not
+
+
+def test_warmup_window_maps_what_the_warmup_names_and_nothing_after():
+    import uuid
+
+    from kvcached_vllm import worker as w
+
+    cfg = _one_buffer_config(num_blocks=32 * 4)  # 4 pages of 32 blocks, 2 layers
+    calls: list = []
+    with env(KVCACHED_IPC_NAME=f"wu-{uuid.uuid4().hex[:8]}", KVCACHED_STRICT="1"):
+        w.elastic_kv_caches(_allocate(cfg, calls), device="cpu", kv_cache_config=cfg,
+                            vllm_config=_vllm_config("wu"))
+    backing = w.backings()[-1]
+    try:
+        assert backing.mapped_bytes() == 0
+        seen: list = []
+
+        class Worker:
+            def execute_model(self, scheduler_output):
+                seen.append(sorted(backing.server.apply("query", 0, [])))
+                return "ran"
+
+        worker = Worker()
+        step = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(block_ids=([1, 2, 40],))],
+            scheduled_cached_reqs=SimpleNamespace(new_block_ids=[None, ([97],)]))
+        with w.warmup_window(worker):
+            assert sorted(backing.server.apply("query", 0, [])) == [0]  # the null block's page
+            assert worker.execute_model(step) == "ran"
+        # Every page a warm-up step named was mapped before it ran, and nothing is after.
+        assert seen == [[0, 1, 3]] and backing.mapped_bytes() == 0
+        assert "execute_model" not in worker.__dict__
+    finally:
+        w._BACKINGS.remove(backing)
+        backing.release()
