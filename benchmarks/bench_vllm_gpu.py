@@ -1,0 +1,649 @@
+"""vLLM on one NVIDIA GPU with and without kvcached: tokens, memory, throughput, shared device.
+
+Run by ``benchmarks/run_gpu_vllm.sh`` on the GPU machine (vLLM from the offline
+bundle, kvcached installed beside it)::
+
+    python3 benchmarks/bench_vllm_gpu.py tokens --out $OUT/vllm-gpu-tokens.json
+    python3 benchmarks/bench_vllm_gpu.py perf   --out $OUT/vllm-gpu-perf.json
+
+Every engine runs in a child process of its own (``LLM(...)`` there; its engine
+core and worker below it), driven over a connection, so engines with different
+settings live side by side and their GPU memory is read per process through
+NVML (no CUDA context is created for reading). Models are random-weight Llamas
+built locally: ``tiny`` (tests/vllm/tiny_model.py) and ``1b`` (Llama-3.2-1B's
+geometry: 16 layers, hidden 2048, 32 heads, 8 KV heads, intermediate 8192).
+Every engine gets the same explicit KV budget (``kv_cache_memory_bytes``), so
+vanilla and kvcached engines have the same block count and schedule alike;
+prefix caching is on; prompts are token ids.
+
+``tokens``
+    The tiny Llama under each runner x mode: V2 (vLLM's default on GPUs) and V1
+    (``VLLM_USE_V2_MODEL_RUNNER=0``), CUDA graphs and ``enforce_eager``. Per
+    configuration a vanilla, a kvcached and (V2 with graphs) a second vanilla
+    engine serve one workload: prompts of 16-1500 tokens, a group sharing a
+    600-token prefix served twice (prefix-cache hits), and seeded sampling
+    requests. Greedy decoding on a GPU is not bit-reproducible across engines
+    (batch shapes pick different kernel splits), so the measure is the number
+    of sequences differing from the first vanilla engine, kvcached against the
+    vanilla-vs-vanilla control; with ``VLLM_BATCH_INVARIANT=1`` (V2, eager)
+    vanilla and kvcached must agree exactly.
+``perf``
+    The 1B-shaped model. Throughput: a vanilla, a kvcached and a control
+    vanilla engine live at once; ``--reps`` rounds each, rotating order with a
+    pause before each call (longer than kvcached's 1 s idle trim, so every
+    kvcached round grows its memory again), ``--prompts`` prompts of 256-1024
+    tokens, ``--max-tokens`` generated; ratio of generated tokens per second.
+    Engine start: the vanilla engine starts first (it fills torch.compile's
+    cache), then kvcached and the control start one after the other with that
+    cache: ``init_ratio`` is kvcached over control. Memory: NVML per process,
+    sampled every 50 ms throughout, shows the kvcached engine growing under
+    each round and falling back after it. Shared device: two kvcached engines
+    whose KV budgets (80 GiB each) could not both be pinned, and a third
+    process holding device memory: A serves a burst that keeps a prefix cache
+    and idles; B bursts and completes; A serves its prefixes again; then the
+    holder takes all but a few GiB and B bursts again (requests wait, nothing
+    crashes), and the holder lets go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+
+GIB = 1 << 30
+TINY_KV = 4 * GIB
+PERF_KV = 24 * GIB
+SHARE_KV = 80 * GIB
+
+
+def log(*args) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+# ------------------------------------------------------------------ models
+
+
+def build_models(root: Path) -> dict[str, str]:
+    """The tiny Llama and the 1B-shaped one, built here (random weights, no downloads)."""
+    from tiny_model import build_tiny_llama
+
+    tiny = root / "tiny"
+    if not (tiny / "config.json").exists():
+        build_tiny_llama(tiny)
+    big = root / "llama-1b-shape"
+    if not (big / "config.json").exists():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=64, max_position_embeddings=4096, rope_theta=500000.0,
+                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                          torch_dtype="bfloat16", initializer_range=0.02)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(big, safe_serialization=True)
+        del model
+        torch.cuda.empty_cache()
+    return {"tiny": str(tiny), "1b": str(big)}
+
+
+def token_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 500,
+                  prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        body = [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
+        out.append((prefix or []) + body)
+    return out
+
+
+# ------------------------------------------------------------------ engine child
+
+
+def engine_child(args: argparse.Namespace) -> None:
+    """One ``LLM`` serving the parent's commands until ``finish``."""
+    from multiprocessing.connection import Client
+
+    from vllm import LLM, SamplingParams
+
+    conn = Client(args.address, authkey=args.key.encode())
+    kw = json.loads(args.engine_kw)
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**kw)
+    except BaseException as exc:  # reported to the parent, which logs our output
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    conn.send({"init_s": time.perf_counter() - t0, "pid": os.getpid()})
+    while True:
+        cmd, spec = conn.recv()
+        if cmd == "generate":
+            seeds = spec.get("seeds") or [None] * len(spec["prompts"])
+            params = [SamplingParams(temperature=0.0 if seed is None else spec["temperature"],
+                                     top_p=spec.get("top_p", 1.0), seed=seed,
+                                     max_tokens=spec["max_tokens"], ignore_eos=True,
+                                     detokenize=False) for seed in seeds]
+            batch = [{"prompt_token_ids": p} for p in spec["prompts"]]
+            t = time.perf_counter()
+            out = llm.generate(batch, params, use_tqdm=False)
+            dt = time.perf_counter() - t
+            toks = [list(o.outputs[0].token_ids) for o in out]
+            conn.send({"seconds": dt, "generated": sum(map(len, toks)),
+                       "tokens": toks if spec.get("return_tokens", True) else None})
+        elif cmd == "metrics":
+            found = {}
+            try:
+                for m in llm.get_metrics():
+                    if m.name in ("vllm:num_preemptions", "vllm:num_preemptions_total"):
+                        found["preemptions"] = found.get("preemptions", 0) + int(m.value)
+            except Exception as exc:  # metrics are a nice-to-have
+                found["error"] = str(exc)
+            conn.send(found)
+        else:
+            conn.send({})
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            finally:
+                os._exit(0)
+
+
+class Engine:
+    """An engine in a child process, with its own environment and log."""
+
+    def __init__(self, name: str, model: str, *, enabled: bool, kv_bytes: int,
+                 eager: bool = False, v2: bool = True, extra_env: dict | None = None,
+                 max_num_seqs: int = 256, max_model_len: int = 4096, start: bool = True) -> None:
+        from multiprocessing.connection import Listener
+
+        self.name = name
+        self.enabled = enabled
+        self.ns = f"g{uuid.uuid4().hex[:8]}"
+        self.logf = tempfile.NamedTemporaryFile("w+", prefix=f"engine-{name}-", suffix=".log",
+                                                delete=False)
+        env = dict(os.environ, KVCACHED_ENABLED="1" if enabled else "0",
+                   VLLM_USE_V2_MODEL_RUNNER="1" if v2 else "0")
+        if enabled:
+            env.update(KVCACHED_IPC_NAME=self.ns, KVCACHED_STRICT="1")
+        env.update(extra_env or {})
+        kw = dict(model=model, dtype="bfloat16", seed=0, enable_prefix_caching=True,
+                  enforce_eager=eager, kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.1,
+                  max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                  skip_tokenizer_init=True, disable_log_stats=False)
+        self.kw = kw
+        address = os.path.join(tempfile.mkdtemp(prefix="kvg-"), "c")
+        self._listener = Listener(address, authkey=self.ns.encode())
+        cmd = [sys.executable, __file__, "_child", "--address", address, "--key", self.ns,
+               "--engine-kw", json.dumps(kw)]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.logf, stderr=subprocess.STDOUT)
+        self.conn = None
+        self.init_s = None
+        self.pid = self.proc.pid
+        if start:
+            self.wait_ready()
+
+    def wait_ready(self) -> Engine:
+        self.conn = self._listener.accept()
+        msg = self.recv()
+        if "error" in msg:
+            raise RuntimeError(f"{self.name}: {msg['error']}\n{self.tail()}")
+        self.init_s = msg["init_s"]
+        log(f"{self.name}: started in {self.init_s:.1f} s")
+        return self
+
+    def tail(self, n: int = 6000) -> str:
+        self.logf.flush()
+        return Path(self.logf.name).read_text(errors="replace")[-n:]
+
+    def recv(self) -> dict:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.wait(timeout=30)
+            raise RuntimeError(f"{self.name} engine died (exit {self.proc.returncode}):\n"
+                               f"{self.tail()}") from None
+
+    def call(self, cmd: str, spec: dict | None = None) -> dict:
+        self.conn.send((cmd, spec or {}))
+        return self.recv()
+
+    def generate(self, prompts, max_tokens, **spec) -> dict:
+        return self.call("generate", dict(spec, prompts=prompts, max_tokens=max_tokens))
+
+    def finish(self) -> None:
+        if self.conn is not None and self.proc.poll() is None:
+            try:
+                self.call("finish")
+            except RuntimeError:
+                pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._listener.close()
+
+    def kvcached_log(self) -> list[str]:
+        """kvcached's own log lines (patch set, elastic pool, warnings), at most 12."""
+        return [line[-400:] for line in self.tail(400000).splitlines()
+                if "kvcached" in line and ("WARNING" in line or "ERROR" in line
+                                           or "elastic KV cache" in line or "patch set" in line
+                                           or "serves KV pages" in line)][:12]
+
+
+# ------------------------------------------------------------------ GPU memory (NVML)
+
+
+class MemorySampler:
+    """Samples, every ``period`` s, the device's used memory and each engine's processes'."""
+
+    def __init__(self, engines: dict[str, Engine], period: float = 0.05) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml = pynvml
+        self.dev = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.engines = engines
+        self.period = period
+        self.samples: list[dict] = []
+        self.marks: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self.t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _descendants(self) -> dict[int, str]:
+        parent: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        roots = {e.pid: name for name, e in self.engines.items()}
+        owner = {}
+        for pid in parent:
+            p: int | None = pid
+            for _ in range(10):
+                if p in roots:
+                    owner[pid] = roots[p]
+                    break
+                p = parent.get(p)
+                if p is None:
+                    break
+        return owner
+
+    def read(self) -> dict:
+        n = self.nvml
+        info = n.nvmlDeviceGetMemoryInfo(self.dev)
+        owner = self._descendants()
+        per: dict[str, int] = {}
+        for proc in n.nvmlDeviceGetComputeRunningProcesses(self.dev):
+            name = owner.get(proc.pid)
+            if name is not None and proc.usedGpuMemory is not None:
+                per[name] = per.get(name, 0) + int(proc.usedGpuMemory)
+        return {"t": round(time.monotonic() - self.t0, 3), "used": int(info.used),
+                "free": int(info.free), "engines": per}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self.read())
+            except Exception as exc:  # keep sampling
+                self.samples.append({"t": round(time.monotonic() - self.t0, 3), "error": str(exc)})
+            self._stop.wait(self.period)
+
+    def mark(self, what: str) -> None:
+        self.marks.append((round(time.monotonic() - self.t0, 3), what))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def series(self, name: str) -> list[tuple[float, int]]:
+        return [(s["t"], s["engines"].get(name, 0)) for s in self.samples if "engines" in s]
+
+    def window(self, name: str, t0: float, t1: float) -> list[int]:
+        return [v for t, v in self.series(name) if t0 <= t <= t1]
+
+
+class Holder:
+    """A process holding device memory (cudaMalloc through torch), resized on command."""
+
+    def __init__(self) -> None:
+        code = ("import sys, torch\nheld = []\nfor line in sys.stdin:\n"
+                "    gib = float(line)\n    held.clear(); torch.cuda.empty_cache()\n"
+                "    n = int(gib * (1 << 30))\n"
+                "    if n: held.append(torch.empty(n, dtype=torch.uint8, device='cuda'))\n"
+                "    torch.cuda.synchronize(); print('ok', flush=True)\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        self.gib = 0.0
+
+    def hold(self, gib: float) -> None:
+        self.proc.stdin.write(f"{max(0.0, gib)}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+        self.gib = gib
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def differing(a: list[list[int]], b: list[list[int]]) -> dict:
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    first = []
+    for i in diff[:8]:
+        x, y = a[i], b[i]
+        first.append(next((k for k in range(min(len(x), len(y))) if x[k] != y[k]), -1))
+    return {"sequences": len(a), "differing": len(diff), "first_diff_positions": first}
+
+
+# ------------------------------------------------------------------ phases
+
+
+def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dict:
+    """Greedy and seeded tokens, vanilla against kvcached, per runner and mode."""
+    prefix = token_prompts(1, 600, 600, seed=99)[0]
+    greedy_prompts = (token_prompts(40, 16, 1500, seed=1)
+                      + token_prompts(8, 50, 200, seed=2, prefix=prefix))
+    seeded_prompts = token_prompts(8, 100, 400, seed=3)
+
+    def workload(e: Engine) -> dict:
+        a = e.generate(greedy_prompts, 64)
+        b = e.generate(greedy_prompts[-8:], 64)  # the shared-prefix group again: cache hits
+        c = e.generate(seeded_prompts, 48, temperature=0.8, top_p=0.95,
+                       seeds=list(range(100, 108)))
+        return {"greedy": a["tokens"], "prefix_again": b["tokens"], "seeded": c["tokens"]}
+
+    configs = [("v2-graphs", True, False), ("v2-eager", True, True), ("v1-eager", False, True),
+               ("v1-graphs", False, False)]
+    out: dict = {}
+    for label, v2, eager in configs:
+        if time.monotonic() > deadline - 90:
+            out[label] = {"skipped": "time budget"}
+            continue
+        names = ["vanilla", "kvcached"] + (["control"] if label == "v2-graphs" else [])
+        engines: dict[str, Engine] = {}
+        try:
+            for n in names:  # start together: each compiles into a cache of its own
+                engines[n] = Engine(f"{label}-{n}", models["tiny"], enabled=n == "kvcached",
+                                    kv_bytes=TINY_KV, eager=eager, v2=v2, start=False,
+                                    extra_env={"VLLM_CACHE_ROOT": tempfile.mkdtemp()})
+            for e in engines.values():
+                e.wait_ready()
+            res = {n: workload(e) for n, e in engines.items()}
+            row = {"init_s": {n: round(e.init_s, 1) for n, e in engines.items()}}
+            for part in ("greedy", "prefix_again", "seeded"):
+                row[part] = {n: differing(res["vanilla"][part], res[n][part])
+                             for n in names if n != "vanilla"}
+            row["prefix_again_equals_first_pass"] = {
+                n: differing(res[n]["greedy"][-8:], res[n]["prefix_again"]) for n in names}
+            row["kvcached_log"] = engines["kvcached"].kvcached_log()
+            out[label] = row
+            log(label, json.dumps({k: v for k, v in row.items() if k != "kvcached_log"}))
+        except Exception as exc:
+            out[label] = {"error": str(exc)[-3000:]}
+            log(label, "FAILED", str(exc)[-3000:])
+        finally:
+            for e in engines.values():
+                e.finish()
+    if time.monotonic() < deadline - 60:
+        # Batch-invariant kernels: the same batch gives the same tokens in any engine.
+        engines = {}
+        try:
+            for n in ("vanilla", "kvcached"):
+                engines[n] = Engine(f"bi-{n}", models["tiny"], enabled=n == "kvcached",
+                                    kv_bytes=TINY_KV, eager=True, v2=True, start=False,
+                                    extra_env={"VLLM_BATCH_INVARIANT": "1",
+                                               "VLLM_CACHE_ROOT": tempfile.mkdtemp()})
+            for e in engines.values():
+                e.wait_ready()
+            res = {n: workload(e) for n, e in engines.items()}
+            out["v2-eager-batch-invariant"] = {
+                part: differing(res["vanilla"][part], res["kvcached"][part])
+                for part in ("greedy", "prefix_again", "seeded")}
+            log("batch invariant", json.dumps(out["v2-eager-batch-invariant"]))
+        except Exception as exc:
+            out["v2-eager-batch-invariant"] = {"error": str(exc)[-3000:]}
+            log("batch invariant FAILED", str(exc)[-3000:])
+        finally:
+            for e in engines.values():
+                e.finish()
+    return out
+
+
+def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict:
+    engines: dict[str, Engine] = {}
+    sampler = None
+    try:
+        cache = tempfile.mkdtemp()
+        for n in ("vanilla", "kvcached", "control"):  # one at a time: start times compare
+            engines[n] = Engine(n, models["1b"], enabled=n == "kvcached", kv_bytes=PERF_KV,
+                                max_num_seqs=args.max_num_seqs,
+                                extra_env={"VLLM_CACHE_ROOT": cache})
+        sampler = MemorySampler(engines)
+        rounds = {n: [] for n in engines}
+        tokens = {}
+        warm = token_prompts(args.prompts, 256, 1024, seed=500)
+        for n, e in engines.items():
+            e.generate(warm, args.max_tokens, return_tokens=False)
+        order = list(engines)
+        for r in range(args.reps):
+            if time.monotonic() > deadline - 150:
+                log("throughput: stopping after", r, "reps (time budget)")
+                break
+            batch = token_prompts(args.prompts, 256, 1024, seed=r)
+            for k in range(len(order)):
+                n = order[(r + k) % len(order)]
+                time.sleep(args.pause)
+                sampler.mark(f"{n} round {r} start")
+                res = engines[n].generate(batch, args.max_tokens)
+                sampler.mark(f"{n} round {r} end")
+                rounds[n].append({"seconds": res["seconds"], "generated": res["generated"],
+                                  "start": sampler.marks[-2][0], "end": sampler.marks[-1][0]})
+                tokens.setdefault(n, []).extend(res["tokens"])
+            log(f"throughput rep {r}:", {n: round(rounds[n][-1]["generated"] /
+                                               rounds[n][-1]["seconds"]) for n in order})
+        time.sleep(3.0)  # after the last round: the kvcached engine's memory falls back
+        sampler.mark("idle")
+        time.sleep(0.2)
+        sampler.stop()
+
+        def tps(n):
+            return sum(x["generated"] for x in rounds[n]) / sum(x["seconds"] for x in rounds[n])
+
+        per_rep = [rounds["kvcached"][i]["seconds"] and
+                   (rounds["kvcached"][i]["generated"] / rounds["kvcached"][i]["seconds"])
+                   / (rounds["vanilla"][i]["generated"] / rounds["vanilla"][i]["seconds"])
+                   for i in range(len(rounds["kvcached"]))]
+        mem = {}
+        for n in engines:
+            during = [max(sampler.window(n, x["start"], x["end"]) or [0]) for x in rounds[n]]
+            before = [min(sampler.window(n, x["start"] - args.pause + 0.1, x["start"]) or [0])
+                      for x in rounds[n]]
+            mem[n] = {"peak_during_rounds_gib": [round(v / GIB, 2) for v in during],
+                      "low_before_rounds_gib": [round(v / GIB, 2) for v in before]}
+        series = sampler.series("kvcached")
+        last_end = rounds["kvcached"][-1]["end"]
+        after = [(round(t - last_end, 2), v) for t, v in series if t >= last_end]
+        base = min(v for _, v in after) if after else 0
+        settle = next((t for t, v in after if v <= base + 256 * (1 << 20)), None)
+        return {
+            "prompts": args.prompts, "prompt_len": [256, 1024], "max_tokens": args.max_tokens,
+            "reps": len(rounds["kvcached"]), "pause_s": args.pause,
+            "tokens_per_s": {n: round(tps(n), 1) for n in engines},
+            "throughput_ratio": round(tps("kvcached") / tps("vanilla"), 4),
+            "control_ratio": round(tps("control") / tps("vanilla"), 4),
+            "per_rep_ratio": [round(x, 4) for x in per_rep],
+            "init_s": {n: round(e.init_s, 1) for n, e in engines.items()},
+            "init_ratio_kvcached_vs_control": round(engines["kvcached"].init_s /
+                                                    engines["control"].init_s, 4),
+            "tokens_vs_vanilla": {n: differing(tokens["vanilla"], tokens[n])
+                                  for n in ("kvcached", "control")},
+            "memory": mem,
+            "kvcached_after_last_round": {"settled_s": settle,
+                                          "trace_gib": [(t, round(v / GIB, 2))
+                                                        for t, v in after[::5]]},
+            "kvcached_log": engines["kvcached"].kvcached_log(),
+        }
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for e in engines.values():
+            e.finish()
+
+
+def _share(models: dict, args: argparse.Namespace, deadline: float) -> dict:
+    engines: dict[str, Engine] = {}
+    holder = Holder()
+    sampler = None
+    try:
+        env = {"KVCACHED_MAX_CACHED_TOKENS": "131072"}  # A keeps a large prefix cache
+        for n in ("A", "B"):
+            engines[n] = Engine(n, models["1b"], enabled=True, kv_bytes=SHARE_KV, start=False,
+                                max_num_seqs=args.max_num_seqs,
+                                extra_env=dict(env, VLLM_CACHE_ROOT=tempfile.mkdtemp()))
+        for e in engines.values():
+            e.wait_ready()
+        sampler = MemorySampler({**engines, "holder": holder})
+        time.sleep(0.5)
+        free = sampler.read()["free"]
+        total = free + sampler.read()["used"]
+        keep = 40 * GIB  # what the holder leaves: engines' KV share this (less 5 % headroom)
+        holder.hold((free - keep) / GIB)
+        sampler.mark(f"holder took {holder.gib:.1f} GiB")
+        log(f"share: device {total / GIB:.1f} GiB, free after start {free / GIB:.1f}, "
+            f"holder {holder.gib:.1f} GiB")
+        steps = []
+
+        def step(name, engine, prompts, max_tokens):
+            sampler.mark(f"{name} start")
+            t = time.monotonic()
+            res = engines[engine].generate(prompts, max_tokens, return_tokens=False)
+            sampler.mark(f"{name} end")
+            rec = {"step": name, "engine": engine, "seconds": round(time.monotonic() - t, 2),
+                   "generated": res["generated"], "start": sampler.marks[-2][0],
+                   "end": sampler.marks[-1][0],
+                   "preemptions_total": engines[engine].call("metrics").get("preemptions")}
+            rec["peak_gib"] = {n: round(max(sampler.window(n, rec["start"], rec["end"]) or [0])
+                                        / GIB, 2) for n in engines}
+            steps.append(rec)
+            log("share:", json.dumps(rec))
+
+        # A: 256 prompts of 3000 tokens (about 24 GiB of KV); it keeps the last 128k tokens
+        # cached (KVCACHED_MAX_CACHED_TOKENS above) when the burst is over.
+        a_prompts = token_prompts(256, 3000, 3000, seed=700)
+        step("A burst", "A", a_prompts, 32)
+        time.sleep(2.5)  # A idles: its reserve goes, its prefix cache stays
+        a_idle = sampler.read()["engines"].get("A", 0)
+        b_prompts = token_prompts(args.share_prompts, 1500, 3000, seed=900)
+        step("B burst", "B", b_prompts, 128)
+        time.sleep(2.5)
+        step("A again (its cached prefixes)", "A", a_prompts[-32:], 32)
+        time.sleep(2.5)
+        # The holder takes all but 10 GiB over the headroom: B's burst must wait for memory.
+        now = sampler.read()
+        squeeze = holder.gib + (now["free"] - 0.05 * total - 10 * GIB) / GIB
+        holder.hold(squeeze)
+        sampler.mark(f"holder took {holder.gib:.1f} GiB")
+        step("B burst, device nearly full", "B", b_prompts, 128)
+        holder.hold(0)
+        sampler.mark("holder let go")
+        step("B burst, holder gone", "B", b_prompts[: len(b_prompts) // 2], 128)
+        time.sleep(1.5)
+        sampler.stop()
+        return {"device_gib": round(total / GIB, 1), "kv_budget_per_engine_gib": SHARE_KV // GIB,
+                "holder_left_free_gib": keep // GIB, "a_idle_gib": round(a_idle / GIB, 2),
+                "steps": steps, "marks": sampler.marks,
+                "timeline_gib": [(s["t"], round(s.get("free", 0) / GIB, 1),
+                                  {n: round(v / GIB, 2) for n, v in s.get("engines", {}).items()})
+                                 for s in sampler.samples[::10]],
+                "kvcached_log": {n: e.kvcached_log() for n, e in engines.items()}}
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for e in engines.values():
+            e.finish()
+        holder.close()
+
+
+def perf_phase(models: dict, args: argparse.Namespace, deadline: float) -> dict:
+    out: dict = {}
+    for name, fn in (("throughput", _throughput), ("share", _share)):
+        if time.monotonic() > deadline - 120:
+            out[name] = {"skipped": "time budget"}
+            continue
+        try:
+            out[name] = fn(models, args, deadline)
+        except Exception as exc:
+            out[name] = {"error": str(exc)[-4000:]}
+            log(name, "FAILED", str(exc)[-4000:])
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("phase", choices=["tokens", "perf", "_child"])
+    ap.add_argument("--out", default="benchmarks/results/vllm-gpu.json")
+    ap.add_argument("--models", default="/tmp/kvcached-models")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds this run may take")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--pause", type=float, default=1.5)
+    ap.add_argument("--share-prompts", type=int, default=384)
+    ap.add_argument("--address")
+    ap.add_argument("--key")
+    ap.add_argument("--engine-kw")
+    args = ap.parse_args(argv)
+    if args.phase == "_child":
+        engine_child(args)
+        return 0
+    deadline = time.monotonic() + args.budget
+    t = time.monotonic()
+    models = build_models(Path(args.models))
+    log(f"models ready in {time.monotonic() - t:.1f} s")
+    import vllm
+
+    from _timing import run_info
+
+    result = run_info(f"vllm-gpu-{args.phase}", vllm=vllm.__version__,
+                      gpu=subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                                          "--format=csv,noheader"], capture_output=True,
+                                         text=True).stdout.strip())
+    import torch
+
+    result["torch"] = torch.__version__
+    result.update(tokens_phase(models, args, deadline) if args.phase == "tokens"
+                  else perf_phase(models, args, deadline))
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    log("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())

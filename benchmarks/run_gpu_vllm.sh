@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# kvcached inside a real vLLM on one NVIDIA GPU (H100/H200: the bundle's kernels are sm_90).
+# Run from the repository root on the GPU machine, the offline vLLM bundle copied into the
+# checkout's ignored .gpu-vllm/ folder (cp ../shared/gpu-vllm/*.tar.xz .gpu-vllm/):
+#     OUT=/tmp/out bash benchmarks/run_gpu_vllm.sh tests tokens     # then:  ... perf
+# Steps (each once per machine): unpack vLLM 0.26.0 to /tmp/site, build kvcached-core in
+# place, install kvcached-vllm (its entry points) beside vLLM. Then, in order:
+#   tests    the GPU tests (tests/gpu, tests/ipc/test_remote.py, gpu-marked allocator tests)
+#   tokens   benchmarks/bench_vllm_gpu.py tokens -> $OUT/vllm-gpu-tokens.json
+#   perf     benchmarks/bench_vllm_gpu.py perf   -> $OUT/vllm-gpu-perf.json
+# BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
+set -uo pipefail
+OUT=${OUT:-benchmarks/results/gpu-run}
+BUDGET=${BUDGET:-540}
+BUNDLE=${BUNDLE:-$(ls .gpu-vllm/vllm-*-sm90-site.tar.xz 2>/dev/null | head -1)}
+mkdir -p "$OUT"
+start=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - start) )); }
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+# No network there: never try the hub or usage stats; loopback for torch.distributed;
+# flashinfer is not in the bundle, and vLLM's sampler imports it unless told not to.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export VLLM_HOST_IP=127.0.0.1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+} 2>&1 | tee -a "$OUT/setup.log"
+if [ ! -f /tmp/site/vllm/__init__.py ]; then
+  [ -n "$BUNDLE" ] || { echo "no vLLM bundle in .gpu-vllm/" | tee -a "$OUT/setup.log"; exit 1; }
+  python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall('/tmp/site')" "$BUNDLE"
+fi
+if ! python3 -c 'import kvcached_core._native' 2>/dev/null; then
+  rm -rf build kvcached_core/_native*.so
+  python3 setup.py build_ext --inplace >> "$OUT/setup.log" 2>&1 \
+    || { tail -30 "$OUT/setup.log"; exit 1; }
+fi
+if [ ! -d /tmp/site/kvcached_vllm ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site ./kvcached_vllm \
+    >> "$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
+fi
+python3 -c 'import vllm, kvcached_core._native as n, importlib.metadata as md
+print("vllm", vllm.__version__, "| kvcached backends", n.compiled_backends(),
+      "| entry points", [e.value for e in md.entry_points(group="vllm.general_plugins")])' \
+  2>&1 | tee -a "$OUT/setup.log"
+echo "setup done after $(( $(date +%s) - start )) s" | tee -a "$OUT/setup.log"
+
+status=0
+for phase in "$@"; do
+  case $phase in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/ipc/test_remote.py \
+        tests/core 2>&1 | tee "$OUT/tests.log" | tail -5 || status=1
+      python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/allocator tests/tp 2>&1 \
+        | tee -a "$OUT/tests.log" | tail -3 || status=1 ;;
+    tokens|perf)
+      python3 benchmarks/bench_vllm_gpu.py "$phase" --budget "$(left)" \
+        --out "$OUT/vllm-gpu-$phase.json" 2>&1 | tee "$OUT/bench-$phase.log" \
+        | grep -v "^(EngineCore\|^INFO\|^WARNING" || status=1 ;;
+    *) echo "unknown phase $phase"; status=1 ;;
+  esac
+done
+echo "total $(( $(date +%s) - start )) s"
+exit $status
