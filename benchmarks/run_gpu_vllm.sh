@@ -2,7 +2,8 @@
 # kvcached inside a real vLLM on one NVIDIA GPU (H100/H200: the bundle's kernels are sm_90).
 # Run from the repository root on the GPU machine, the offline vLLM bundle copied into the
 # checkout's ignored .gpu-vllm/ folder (cp ../shared/gpu-vllm/*.tar.xz .gpu-vllm/):
-#     OUT=/tmp/out bash benchmarks/run_gpu_vllm.sh tests tokens     # then:  ... perf
+#     OUT=/tmp/out bash benchmarks/run_gpu_vllm.sh tests tokens perf
+#     OUT=/tmp/out bash benchmarks/run_gpu_vllm.sh perf:throughput tokens:v2-graphs
 # Steps (each once per machine): unpack vLLM 0.26.0 to /tmp/site, build kvcached-core in
 # place, install kvcached-vllm (its entry points) beside vLLM. Then, in order:
 #   tests    the GPU tests (tests/gpu, tests/ipc/test_remote.py, gpu-marked allocator tests)
@@ -53,10 +54,11 @@ for phase in "$@"; do
         tests/core 2>&1 | tee "$OUT/tests.log" | tail -5 || status=1
       python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/allocator tests/tp 2>&1 \
         | tee -a "$OUT/tests.log" | tail -3 || status=1 ;;
-    tokens|perf)
-      python3 benchmarks/bench_vllm_gpu.py "$phase" --budget "$(left)" \
-        --out "$OUT/vllm-gpu-$phase.json" 2>&1 | tee "$OUT/bench-$phase.log" \
-        | grep -v "^(EngineCore\|^INFO\|^WARNING" || status=1 ;;
+    tokens*|perf*)  # tokens:v2-graphs,batch-invariant runs only those parts
+      name=${phase%%:*}; parts=(); [ "$name" != "$phase" ] && IFS=, read -ra parts <<< "${phase#*:}"
+      python3 benchmarks/bench_vllm_gpu.py "$name" --budget "$(left)" --configs "${parts[@]}" \
+        --out "$OUT/vllm-gpu-$name.json" 2>&1 | tee "$OUT/bench-$name.log" \
+        | grep -v "^(EngineCore\|^(Worker\|^INFO\|^WARNING" || status=1 ;;
     *) echo "unknown phase $phase"; status=1 ;;
   esac
 done

@@ -16,4 +16,24 @@ def register() -> None:
     """Apply kvcached's vLLM patch set in this process (see :mod:`kvcached_vllm.patches`)."""
     from kvcached_core.plugins import bootstrap
 
+    _log_through_vllm()
     bootstrap("vllm")
+
+
+def _log_through_vllm() -> None:
+    """kvcached's log lines go where vLLM's go, in its format and at its level.
+
+    vLLM configures its own ``vllm`` logger only; without a handler kvcached's
+    INFO lines (the patch set applied, the elastic pool's size) would be lost.
+    Records still propagate, so a handler the application set on the root
+    logger sees them too.
+    """
+    import logging
+
+    ours, theirs = logging.getLogger("kvcached"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
