@@ -11,7 +11,10 @@ pipeline stage) over kvcached's IPC sockets::
     pages = PageAllocator(kv)         # keeps GPU headroom from the workers' readings
 
 Each thread gets connections of its own, so the allocator's background work
-(refills, unmapping) never queues a scheduling thread's map behind it. A
+(refills, unmapping) never queues a scheduling thread's map behind it. When
+the only worker lives in this very process (one GPU: vLLM runs its worker in
+the engine core), ``local_server`` is that worker's native page server and
+requests go to it directly, without a socket round trip. A
 worker that runs out of device memory makes :meth:`RemoteKVTensors.map_pages`
 raise :class:`~kvcached_core.errors.WorkerOutOfMemoryError` (a ``MemoryError``,
 which the allocator turns into "no space") after the workers that did map
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvcached_core.allocator.kv_tensors import KVLayout, _device_pages
 from kvcached_core.device import Device
@@ -47,6 +51,8 @@ class RemoteKVTensors:
             headroom from what the workers report (``Device("host", 0, "cpu")``
             for CPU workers, the default).
         timeout, connect_timeout: As for :class:`~kvcached_core.ipc.WorkerGroup`.
+        local_server: The native ``PageServer`` of the one worker, when it runs
+            in this process: requests are applied to it directly.
 
     Attributes:
         on_change: Called after every map and unmap (e.g. to publish the pool's
@@ -62,8 +68,12 @@ class RemoteKVTensors:
         device: Device | None = None,
         timeout: float | None = None,
         connect_timeout: float | None = None,
+        local_server: Any = None,
     ) -> None:
+        if local_server is not None and len(endpoints) != 1:
+            raise ValueError("a local page server stands for exactly one worker")
         self.layout = layout
+        self._server = local_server
         self.group = group
         self.device = device or Device("host", 0, "cpu")
         self._endpoints = tuple(endpoints)
@@ -103,6 +113,13 @@ class RemoteKVTensors:
             WorkerError: A worker failed otherwise.
         """
         pages = list(page_ids)
+        if self._server is not None:
+            self._server.apply("map", self.group, pages)  # all or nothing, MemoryError typed
+            with self._lock:
+                self._mapped.update(pages)
+            if self.on_change is not None:
+                self.on_change()
+            return
         try:
             self._connections().map(self.group, pages)
         except WorkerError as exc:
@@ -119,7 +136,10 @@ class RemoteKVTensors:
     def unmap_pages(self, page_ids: Sequence[int], synchronize: bool = True) -> None:
         """Unmap ``page_ids`` on every worker (each waits for its queued device work)."""
         pages = list(page_ids)
-        self._connections().unmap(self.group, pages)
+        if self._server is not None:
+            self._server.apply("unmap", self.group, pages)
+        else:
+            self._connections().unmap(self.group, pages)
         with self._lock:
             self._mapped.difference_update(pages)
         if self.on_change is not None:
@@ -138,7 +158,10 @@ class RemoteKVTensors:
 
     def free_device_pages(self, utilization: float) -> int:
         """Page ids every worker can still back while ``1 - utilization`` of its device stays free."""
-        readings = self._connections().meminfo(self.group)
+        if self._server is not None:
+            readings = [tuple(self._server.apply("meminfo", self.group, []))]
+        else:
+            readings = self._connections().meminfo(self.group)
         return min(_device_pages(free, total, pooled, utilization, self.page_bytes,
                                  self.handles_per_page) for free, total, pooled in readings)
 

@@ -1,9 +1,11 @@
 """Scheduler side: kvcached's page and block allocators driving the workers' memory.
 
-The engine-core process owns no KV memory (the workers do, in other processes
-on CPU and at TP > 1), so its page allocator works on kvcached-core's
+The engine-core process decides, the workers own the KV memory (in other
+processes on CPU and at TP > 1; on one GPU vLLM runs its worker inside the
+engine core), so its page allocator works on kvcached-core's
 :class:`~kvcached_core.ipc.remote.RemoteKVTensors`: map / unmap are broadcast
-to every worker (all TP ranks of all PP stages) over kvcached's IPC sockets,
+to every worker (all TP ranks of all PP stages) over kvcached's IPC sockets, or
+applied to the worker's page server directly when it lives in this process,
 and on a GPU the workers' free device memory bounds what is mapped. The pool's
 bytes are published to a shared-memory segment that ``kvctl`` reads and sets
 limits through.
@@ -127,6 +129,16 @@ def _max_cached_blocks(block_size: int) -> int | None:
     return None if tokens is None else tokens // max(1, block_size)
 
 
+def _local_server(ns: str, endpoints: list) -> Any:
+    """The page server of the engine's only worker when it runs in this process (one GPU)."""
+    if len(endpoints) != 1:
+        return None
+    from kvcached_vllm.worker import backings
+
+    mine = [b for b in backings() if b.namespace == ns and b.server is not None]
+    return mine[-1].server if mine else None
+
+
 def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | None:
     """Connect to the workers and build the page and block allocators for one engine.
 
@@ -166,7 +178,8 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | No
     device = Device(device_type, 0, device_type) if gpu else Device("host", 0, "cpu")
     layout = KVLayout(num_layers=geo.num_regions, buffer_bytes=geo.num_pages * geo.page_size,
                       page_size=geo.page_size, num_buffers=1)
-    tensors = RemoteKVTensors(layout, endpoints, 0, device=device)
+    tensors = RemoteKVTensors(layout, endpoints, 0, device=device,
+                              local_server=_local_server(ns, endpoints))
     fence = StepFence()
     settings = load_settings(**(GPU_SETTINGS if gpu else SETTINGS))
     pages = PageAllocator(tensors, settings=settings, fence=fence)  # type: ignore[arg-type]

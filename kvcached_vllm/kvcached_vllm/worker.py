@@ -89,6 +89,7 @@ class ElasticKVBacking:
         self._targets: list[tuple[Any, list[int]]] = []
         self.server: Any = None  # the native PageServer: map / unmap / query / meminfo
         self.listener: Any = None
+        self.namespace: str | None = None  # the engine's IPC namespace, once it serves
         self.backend_name = backend_name
         self._warm_pages: set[int] = set()  # mapped for the warm-up only
 
@@ -228,8 +229,9 @@ class ElasticKVBacking:
         from kvcached_vllm.scheduler import instance_namespace
 
         rank, stage = _parallel_ranks()
+        self.namespace = instance_namespace(vllm_config)
         self.listener = WorkerListener.for_namespace(
-            instance_namespace(vllm_config), rank=rank, pp_stage=stage, handler=self.handle,
+            self.namespace, rank=rank, pp_stage=stage, handler=self.handle,
             server=self.server, label=f"vllm worker {self.mapper.backend}",
             cpus=_spare_cpus() if self.mapper.backend == "host" else None,
         ).start()

@@ -134,3 +134,30 @@ def test_each_thread_has_connections_of_its_own(workers):
         pages.close()
         kv.close()
     assert len(groups) == 2 and all(g._closed for g in groups)  # close() reaches every thread's
+
+
+def test_a_worker_in_this_process_is_served_directly(ipc_base):
+    w = Worker(os.fspath(ipc_base / "w.sock"), 0)
+    calls = []
+    path = os.fspath(ipc_base / "w.sock")
+    with WorkerListener(path, lambda *a: calls.append(a), rank=0, server=w.server):
+        layout = KVLayout(num_layers=REGIONS, buffer_bytes=PAGES * PAGE, page_size=PAGE,
+                          num_buffers=1)
+        kv = RemoteKVTensors(layout, [Endpoint(0, path)], device=Device("cuda", 0, "cuda"),
+                             local_server=w.server)
+        pages = PageAllocator(kv, prealloc=False, idle_trim_s=0, min_reserved=0,
+                              max_reserved=0, mem_info_ttl_s=0.0)
+        try:
+            got = pages.alloc_pages(2)
+            assert sorted(w.server.apply("query", 0, [])) == got
+            assert kv.free_device_pages(0.5) > 0  # the device reading of the host mapper
+            pages.free_pages(got)
+            assert w.mapper.stats().mapped_pages == 0
+            assert w.server.served == 0 and kv._groups[0].connected is False  # no socket used
+        finally:
+            pages.close()
+            kv.close()
+    assert calls == []
+    with pytest.raises(ValueError, match="exactly one worker"):
+        RemoteKVTensors(layout, [Endpoint(0, path), Endpoint(1, path + "1")],
+                        local_server=w.server)
