@@ -10,6 +10,7 @@
 #   tokens   benchmarks/bench_vllm_gpu.py tokens -> $OUT/vllm-gpu-tokens.json
 #   perf     benchmarks/bench_vllm_gpu.py perf   -> $OUT/vllm-gpu-perf.json
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
+# BENCH_ARGS passes more options to bench_vllm_gpu.py (e.g. BENCH_ARGS="--reps 12").
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu-run}
 BUDGET=${BUDGET:-540}
@@ -56,7 +57,8 @@ for phase in "$@"; do
         | tee -a "$OUT/tests.log" | tail -3 || status=1 ;;
     tokens*|perf*)  # tokens:v2-graphs,batch-invariant runs only those parts
       name=${phase%%:*}; parts=(); [ "$name" != "$phase" ] && IFS=, read -ra parts <<< "${phase#*:}"
-      python3 benchmarks/bench_vllm_gpu.py "$name" --budget "$(left)" --configs "${parts[@]}" \
+      # shellcheck disable=SC2086  # BENCH_ARGS: more options, e.g. "--reps 12"
+      python3 benchmarks/bench_vllm_gpu.py "$name" --budget "$(left)" --configs "${parts[@]}" ${BENCH_ARGS:-} \
         --out "$OUT/vllm-gpu-$name.json" 2>&1 | tee "$OUT/bench-$name.log" \
         | grep -v "^(EngineCore\|^(Worker\|^INFO\|^WARNING" || status=1 ;;
     *) echo "unknown phase $phase"; status=1 ;;
