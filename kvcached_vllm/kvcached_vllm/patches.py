@@ -158,7 +158,7 @@ def wrap_scheduler_init(original: Any) -> Any:
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         with scheduler_context(bound["vllm_config"], bound["kv_cache_config"]) as built:
             original(self, *args, **kwargs)
-        if built.runtime is not None:
+        if built.runtime is not None and built.runtime.fence is not None:
             setattr(self, FENCE_ATTR, built.runtime.fence)
 
     return __init__

@@ -16,10 +16,13 @@ limits through.
 :class:`~kvcached_vllm.pool.ElasticBlockPool` when a context is active. The
 workers set their KV cache up before the scheduler is built: when none of them
 serves its pages (each says why in its log), the engine runs with vLLM's own
-pool; ``KVCACHED_STRICT=1`` refuses to start instead. The scheduler's
+pool; ``KVCACHED_STRICT=1`` refuses to start instead. With async scheduling
+(vLLM's default on GPUs) the scheduler runs a step ahead of its workers, and a
 :class:`~kvcached_core.allocator.fence.StepFence` counts its steps
 (``schedule`` / ``update_from_output``), so a page freed while a step that may
 read it is still on its way to the workers stays mapped until that step is done.
+A synchronous scheduler (vLLM on CPUs) frees blocks only once its step is done
+and unmaps at once.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class ElasticRuntime:
     blocks: KVBlockManager
     segment: PoolSegment | None
     max_cached_blocks: int | None
-    fence: StepFence
+    fence: StepFence | None
 
     def close(self) -> None:
         """Stop the background thread and drop the connections (workers keep their memory)."""
@@ -180,7 +183,9 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | No
                       page_size=geo.page_size, num_buffers=1)
     tensors = RemoteKVTensors(layout, endpoints, 0, device=device,
                               local_server=_local_server(ns, endpoints))
-    fence = StepFence()
+    # Only a scheduler that runs ahead of its workers frees blocks a pending step may read.
+    ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+    fence = StepFence() if ahead else None
     settings = load_settings(**(GPU_SETTINGS if gpu else SETTINGS))
     pages = PageAllocator(tensors, settings=settings, fence=fence)  # type: ignore[arg-type]
     segment = None

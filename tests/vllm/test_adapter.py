@@ -359,3 +359,46 @@ def test_warmup_window_maps_what_the_warmup_names_and_nothing_after():
     finally:
         w._BACKINGS.remove(backing)
         backing.release()
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_only_a_scheduler_that_runs_ahead_gets_a_step_fence(ahead):
+    import time
+    import uuid
+
+    def wait_until(ok, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while not ok() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return ok()
+
+    from kvcached_vllm import worker as w
+    from kvcached_vllm.scheduler import build_runtime
+
+    cfg = _one_buffer_config(num_blocks=32 * 4)
+    ns = f"sf-{uuid.uuid4().hex[:8]}"
+    with env(KVCACHED_IPC_NAME=ns, KVCACHED_STRICT="1", KVCACHED_MIN_RESERVED_PAGES="0",
+             KVCACHED_MAX_RESERVED_PAGES="0", KVCACHED_IDLE_KEEP_PAGES="0"):
+        w.elastic_kv_caches(_allocate(cfg, []), device="cpu", kv_cache_config=cfg,
+                            vllm_config=_vllm_config("sf"))
+        backing = w.backings()[-1]
+        vcfg = _vllm_config("sf")
+        vcfg.scheduler_config = SimpleNamespace(async_scheduling=ahead)
+        rt = build_runtime(vcfg, cfg)
+    try:
+        assert (rt.fence is not None) == ahead
+        assert rt.tensors._server is backing.server  # the worker lives in this process
+        ids = rt.blocks.alloc(40)  # pages 0 (with the null block) and 1
+        if ahead:
+            rt.fence.step_scheduled()  # a step that may read them is on its way
+        rt.blocks.free(ids)
+        rt.pages.wait_idle(5)
+        # Async: the freed pages wait for the step fence; sync: unmapped at once.
+        assert backing.mapped_bytes() == (2 if ahead else 1) * 2 * backing.page_size
+        if ahead:
+            rt.fence.step_completed(1)
+            assert wait_until(lambda: backing.mapped_bytes() == 2 * backing.page_size)
+    finally:
+        rt.close()
+        w._BACKINGS.remove(backing)
+        backing.release()
