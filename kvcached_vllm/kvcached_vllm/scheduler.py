@@ -184,7 +184,8 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | No
     tensors = RemoteKVTensors(layout, endpoints, 0, device=device,
                               local_server=_local_server(ns, endpoints))
     # Only a scheduler that runs ahead of its workers frees blocks a pending step may read.
-    ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+    ahead = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling",
+                         False))
     fence = StepFence() if ahead else None
     settings = load_settings(**(GPU_SETTINGS if gpu else SETTINGS))
     pages = PageAllocator(tensors, settings=settings, fence=fence)  # type: ignore[arg-type]
