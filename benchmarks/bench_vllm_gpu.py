@@ -361,8 +361,8 @@ def differing(a: list[list[int]], b: list[list[int]]) -> dict:
 # ------------------------------------------------------------------ phases
 
 
-def kv_pages(engine: Engine) -> dict:
-    """Page bundles the kvcached engine's worker has mapped now, and the most it could map."""
+def kv_pages(engine: Engine) -> int:
+    """Page bundles the kvcached engine's worker has mapped now."""
     from kvcached_core.ipc import WorkerGroup
 
     with WorkerGroup.for_namespace(engine.ns, tp_size=1, timeout=30, connect_timeout=5) as g:

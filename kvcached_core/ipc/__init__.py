@@ -13,8 +13,7 @@ Importing this package starts no thread and opens no socket or file.
 """
 
 from kvcached_core.errors import IPCError, ProtocolError, WorkerError
-from kvcached_core.ipc.broadcast import (Endpoint, MapBroadcaster, WorkerGroup, listening,
-                                         namespace_endpoints)
+from kvcached_core.ipc.broadcast import Endpoint, MapBroadcaster, WorkerGroup, namespace_endpoints
 from kvcached_core.ipc.paths import namespace, socket_path
 from kvcached_core.ipc.remote import RemoteKVTensors
 from kvcached_core.ipc.shm import NO_LIMIT, PoolSegment, PoolStats, list_pools, set_limit
@@ -33,7 +32,6 @@ __all__ = [
     "WorkerGroup",
     "WorkerListener",
     "list_pools",
-    "listening",
     "namespace",
     "namespace_endpoints",
     "set_limit",

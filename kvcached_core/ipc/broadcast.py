@@ -46,7 +46,7 @@ from kvcached_core.ipc import paths
 from kvcached_core.ipc.protocol import Message, MsgType, Status, encode_request, read_message
 from kvcached_core.ipc.worker import _trusted, peer_credentials
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Endpoint", "MapBroadcaster", "WorkerGroup", "listening",
+__all__ = ["DEFAULT_TIMEOUT_S", "Endpoint", "MapBroadcaster", "WorkerGroup",
            "namespace_endpoints"]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -115,19 +115,6 @@ def namespace_endpoints(namespace: str, tp_size: int, pp_size: int = 1, *,
         for stage in range(pp_size)
         for rank in range(tp_size)
     ]
-
-
-def listening(endpoint: Endpoint) -> bool:
-    """Whether a process accepts connections at ``endpoint`` right now (no waiting, no handshake)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(1.0)
-    try:
-        sock.connect(endpoint.path)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
 
 
 class WorkerGroup:

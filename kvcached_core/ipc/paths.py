@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 import stat
 from pathlib import Path
 
@@ -188,6 +189,19 @@ def socket_path(
     path = namespace_dir(name, base) / f"pp{pp_stage}-tp{rank}.sock"
     check_socket_path(path)
     return path
+
+
+def accepts_connections(path: str | os.PathLike[str]) -> bool:
+    """Whether a process accepts connections on the socket at ``path`` now (no waiting, no handshake)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(os.fspath(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def check_socket_path(path: str | os.PathLike[str]) -> Path:

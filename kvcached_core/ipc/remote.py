@@ -115,19 +115,15 @@ class RemoteKVTensors:
         pages = list(page_ids)
         if self._server is not None:
             self._server.apply("map", self.group, pages)  # all or nothing, MemoryError typed
-            with self._lock:
-                self._mapped.update(pages)
-            if self.on_change is not None:
-                self.on_change()
-            return
-        try:
-            self._connections().map(self.group, pages)
-        except WorkerError as exc:
-            if exc.succeeded:
-                with contextlib.suppress(WorkerError):
-                    # Unmap everywhere; the workers that failed answer "not mapped".
-                    self._connections().unmap(self.group, pages)
-            raise
+        else:
+            try:
+                self._connections().map(self.group, pages)
+            except WorkerError as exc:
+                if exc.succeeded:
+                    with contextlib.suppress(WorkerError):
+                        # Unmap everywhere; the workers that failed answer "not mapped".
+                        self._connections().unmap(self.group, pages)
+                raise
         with self._lock:
             self._mapped.update(pages)
         if self.on_change is not None:

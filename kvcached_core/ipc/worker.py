@@ -269,15 +269,9 @@ class WorkerListener:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise IPCError(f"{self._path} exists and is not a socket; refusing to replace it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(os.fspath(self._path))
-        except OSError:
+        if not paths.accepts_connections(self._path):
             os.unlink(self._path)  # nobody listens: left by a dead worker
             return
-        finally:
-            probe.close()
         raise IPCError(f"another worker is already listening on {self._path}")
 
     def close(self, timeout: float = 5.0) -> None:

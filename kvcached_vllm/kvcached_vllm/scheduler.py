@@ -40,7 +40,8 @@ from kvcached_core.config import load_settings, max_cached_tokens
 from kvcached_core.device import Device
 from kvcached_core.env import env_bool
 from kvcached_core.errors import IPCError, KVCachedConfigError
-from kvcached_core.ipc import PoolSegment, RemoteKVTensors, listening, namespace_endpoints
+from kvcached_core.ipc import PoolSegment, RemoteKVTensors, namespace_endpoints
+from kvcached_core.ipc.paths import accepts_connections
 
 from kvcached_vllm.geometry import KVGeometry, block_offset_for
 
@@ -160,7 +161,7 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | No
     tp = int(par.tensor_parallel_size)
     pp = int(par.pipeline_parallel_size)
     endpoints = namespace_endpoints(ns, tp, pp)
-    serving = [listening(ep) for ep in endpoints]
+    serving = [accepts_connections(ep.path) for ep in endpoints]
     if not all(serving):
         missing = [ep.name for ep, up in zip(endpoints, serving) if not up]
         if any(serving):
