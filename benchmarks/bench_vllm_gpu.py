@@ -455,11 +455,23 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
         cache = tempfile.mkdtemp()
         # The vanilla engine fills torch.compile's cache; kvcached and the control then
         # start together from it, so their start times compare.
-        for n in ("vanilla", "kvcached", "control"):
-            engines[n] = Engine(n, models["1b"], enabled=n == "kvcached", kv_bytes=PERF_KV,
-                                max_num_seqs=args.max_num_seqs, start=n != "kvcached",
-                                extra_env={"VLLM_CACHE_ROOT": cache})
-        engines["kvcached"].wait_ready()
+        variants = dict(parse_variant(v) for v in args.variant)
+        for n in ("vanilla", "kvcached", *variants, "control"):
+            engines[n] = Engine(n, models["1b"], enabled=n != "vanilla" and n != "control",
+                                kv_bytes=PERF_KV, max_num_seqs=args.max_num_seqs,
+                                start=n == "vanilla",
+                                extra_env={"VLLM_CACHE_ROOT": cache, **variants.get(n, {}),
+                                           **stacks_env(args, n)})
+        for n, e in list(engines.items()):
+            if n in variants:
+                try:
+                    e.wait_ready()
+                except RuntimeError as exc:  # a variant that cannot start is reported, not fatal
+                    log(f"variant {n} did not start: {str(exc)[-2000:]}")
+                    variants[n]["error"] = str(exc)[-2000:]
+                    engines.pop(n).finish()
+            elif n != "vanilla":
+                e.wait_ready()
         sampler = MemorySampler(engines)
         rounds = {n: [] for n in engines}
         tokens = {}
@@ -493,10 +505,10 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
         def tps(n):
             return sum(x["generated"] for x in rounds[n]) / sum(x["seconds"] for x in rounds[n])
 
-        per_rep = [rounds["kvcached"][i]["seconds"] and
-                   (rounds["kvcached"][i]["generated"] / rounds["kvcached"][i]["seconds"])
-                   / (rounds["vanilla"][i]["generated"] / rounds["vanilla"][i]["seconds"])
-                   for i in range(len(rounds["kvcached"]))]
+        def per_rep(n):
+            return [round((x["generated"] / x["seconds"]) / (v["generated"] / v["seconds"]), 4)
+                    for x, v in zip(rounds[n], rounds["vanilla"])]
+
         mem = {}
         for n in engines:
             during = [max(sampler.window(n, x["start"], x["end"]) or [0]) for x in rounds[n]]
@@ -515,7 +527,10 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             "tokens_per_s": {n: round(tps(n), 1) for n in engines},
             "throughput_ratio": round(tps("kvcached") / tps("vanilla"), 4),
             "control_ratio": round(tps("control") / tps("vanilla"), 4),
-            "per_rep_ratio": [round(x, 4) for x in per_rep],
+            "per_rep_ratio": per_rep("kvcached"),
+            **({"variants": {n: ({"env": env, "throughput_ratio": round(tps(n) / tps("vanilla"), 4),
+                                  "per_rep_ratio": per_rep(n)} if n in engines else env)
+                             for n, env in variants.items()}} if variants else {}),
             "init_s": {n: round(e.init_s, 1) for n, e in engines.items()},
             "init_ratio_kvcached_vs_control": round(engines["kvcached"].init_s /
                                                     engines["control"].init_s, 4),
@@ -609,6 +624,24 @@ def _share(models: dict, args: argparse.Namespace, deadline: float) -> dict:
         holder.close()
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:VAR=VALUE,VAR=VALUE`` -> (name, environment)."""
+    name, _, assigns = text.partition(":")
+    env = dict(a.split("=", 1) for a in assigns.split(",") if a)
+    if not name or name in ("vanilla", "kvcached", "control") or not all(env):
+        raise SystemExit(f"--variant {text!r}: want NAME:VAR=VALUE,... with a new name")
+    return name, env
+
+
+def stacks_env(args: argparse.Namespace, name: str) -> dict[str, str]:
+    """The environment that makes an engine's processes sample their stacks (``--stacks``)."""
+    if not args.stacks:
+        return {}
+    here = str(Path(__file__).resolve().parent / "stack_sampler")
+    return {"KVBENCH_STACKS": os.path.join(os.path.abspath(args.stacks), name),
+            "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+
+
 def perf_phase(models: dict, args: argparse.Namespace, deadline: float) -> dict:
     out: dict = {}
     for name, fn in (("throughput", _throughput), ("share", _share)):
@@ -643,6 +676,11 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", default=[],
                     help="tokens: only these (v2-graphs v2-eager v1-eager v1-graphs "
                          "batch-invariant); perf: throughput and/or share")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="perf throughput: one more kvcached engine, NAME:VAR=VALUE,VAR=VALUE "
+                         "(e.g. held:KVCACHED_IDLE_TRIM_S=0)")
+    ap.add_argument("--stacks", help="sample every engine's Python stacks into this folder "
+                                     "(benchmarks/stack_sampler)")
     ap.add_argument("--address")
     ap.add_argument("--key")
     ap.add_argument("--engine-kw")
