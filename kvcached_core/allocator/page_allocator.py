@@ -63,9 +63,14 @@ Running out of device memory is a scheduling miss: ``alloc_pages`` returns
 such as :class:`~kvcached_core.errors.DeviceOutOfMemoryError` or a worker's
 :class:`~kvcached_core.errors.WorkerOutOfMemoryError`). On GPU backings the
 pages the device can still back are read through the backing's
-``free_device_pages`` at most every ``mem_info_ttl_s`` seconds (never per
-allocation), keeping ``1 - gpu_utilization`` of the device free; pooled
-handles count as available.
+``free_device_pages``, keeping ``1 - gpu_utilization`` of the device free;
+pooled handles count as available. Such a reading is a driver query (a
+millisecond or more, a round trip to each worker for remote backings), so it
+never runs on the caller's thread once the background thread exists: a caller
+that finds the reading older than ``mem_info_ttl_s`` uses it and asks the
+thread for a new one. Until it lands, the allocator's own maps and unmaps
+since the reading are accounted for; what other processes took shows at the
+next reading (a map that then fails is a scheduling miss, as below).
 
 The backing
 -----------
@@ -124,7 +129,7 @@ _log = logging.getLogger(__name__)
 _FREE, _RESERVED, _IN_USE, _MAPPING, _UNMAPPING, _BROKEN = range(6)
 _STATE_NAMES = ("free", "reserved", "in use", "being mapped", "being unmapped", "broken")
 
-_WAIT, _STOP, _REFILL, _TRIM, _RETIRE = range(5)
+_WAIT, _STOP, _REFILL, _TRIM, _RETIRE, _READ = range(6)
 
 
 class _Unset:
@@ -185,6 +190,8 @@ def _worker_loop(ref: weakref.ref[PageAllocator], cond: threading.Condition) -> 
                 alloc._refill()
             elif action == _RETIRE:
                 alloc._retire()
+            elif action == _READ:
+                alloc._read_phys()
             else:
                 alloc.trim(alloc._idle_keep)
         except Exception:  # keep the thread alive; the next activity retries
@@ -292,6 +299,7 @@ class PageAllocator:
         self._mem_ttl = mem_info_ttl_s
         self._phys_pages: int | None = None  # GPU only: pages the device can still back
         self._phys_at = float("-inf")
+        self._phys_wanted = False  # a caller found the reading stale: the thread re-reads
 
         self._last_activity = time.monotonic()
         self._idle_trimmed = False
@@ -617,6 +625,7 @@ class PageAllocator:
                     self._n_mapping
                     or self._n_unmapping
                     or self._refill_wanted
+                    or self._phys_wanted
                     or self._worker_busy
                     or (self._retire_wanted and self._excess_locked() > 0
                         and self._safe_excess_locked())
@@ -802,9 +811,25 @@ class PageAllocator:
             _log.exception("kvcached: releasing pooled page handles failed")
 
     def _refresh_phys(self) -> None:
-        """Re-read what the device can still back when the last reading is stale (GPUs only)."""
-        if not self._gpu:
+        """Keep the reading of what the device can still back fresh (GPUs only).
+
+        A stale reading is re-read by the background thread; only the first
+        one, and every one when there is no thread, is read on this thread.
+        """
+        if not self._gpu or time.monotonic() - self._phys_at < self._mem_ttl:
             return
+        thread = self._thread
+        if (thread is not None and self._phys_pages is not None
+                and thread is not threading.current_thread()):
+            if not self._phys_wanted:
+                with self._cond:
+                    self._phys_wanted = True
+                    self._cond.notify_all()
+            return
+        self._read_phys()
+
+    def _read_phys(self) -> None:
+        """Read what the device can still back now (a driver query, outside the lock)."""
         now = time.monotonic()
         if now - self._phys_at < self._mem_ttl:
             return
@@ -841,6 +866,10 @@ class PageAllocator:
         """The worker's next step, and how long to wait when there is none."""
         if self._stop:
             return _STOP, None
+        if self._phys_wanted:
+            self._phys_wanted = False
+            self._worker_busy = True
+            return _READ, None
         if self._retire_wanted:
             if self._excess_locked() <= 0:
                 self._retire_wanted = False

@@ -110,6 +110,45 @@ def test_gpu_backings_follow_demand_by_default(make_stack):
         gpu.close()
 
 
+def test_device_readings_leave_the_scheduling_thread(make_stack):
+    """A stale reading of free device memory is re-read by the background
+    thread: the driver query (milliseconds) never delays an allocation."""
+    import threading
+
+    from kvcached_core.allocator import KVTensors
+    from kvcached_core.device import Device
+
+    readers: list[threading.Thread] = []
+    room = [1000]
+
+    class DeviceLike(KVTensors):
+        device = Device("cuda", 0, "cuda:0")
+
+        def free_device_pages(self, utilization: float) -> int:
+            readers.append(threading.current_thread())
+            return room[0]
+
+    s = make_stack(block_bytes=None)
+    gpu = PageAllocator(DeviceLike(s.kv.mapper, s.kv.layout), prealloc=True, idle_trim_s=0,
+                        min_reserved=0, max_reserved=0, mem_info_ttl_s=0.0)
+    try:
+        assert gpu.alloc_pages(1) is not None  # the first reading: on this thread
+        assert readers[0] is threading.current_thread()
+        first = len(readers)
+        room[0] = 3  # another process took the device
+        deadline = time.monotonic() + 5
+        while gpu.available_pages() > 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gpu.available_pages() <= 3  # the new reading landed ...
+        assert gpu.wait_idle(5)
+        assert len(readers) > first  # ... read there, not on this thread
+        assert threading.current_thread() not in readers[1:]
+        got = gpu.alloc_pages(3)
+        assert got is not None and gpu.alloc_pages(1) is None  # a scheduling miss
+    finally:
+        gpu.close()
+
+
 def test_an_allocation_waits_for_a_refill_that_covers_it(make_stack):
     s = make_stack(block_bytes=None, num_pages=64, prealloc=True, follow_demand=True,
                    min_reserved=0, max_reserved=32)

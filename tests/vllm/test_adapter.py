@@ -159,6 +159,27 @@ def test_cached_block_cap_evicts_whole_pages_first():
     assert kv.page_occupancy(1) == 0 and kv.page_allocator.num_mapped == 1
 
 
+def test_requests_finishing_together_share_eviction_passes(monkeypatch):
+    from kvcached_vllm.pool import EVICT_SLACK, ElasticBlockPool
+
+    pool = _pool(max_cached=40)
+    passes = []
+    evict = ElasticBlockPool._evict
+    monkeypatch.setattr(ElasticBlockPool, "_evict",
+                        lambda self, n: passes.append(n) or evict(self, n))
+    held = []
+    for salt in range(16):  # 16 requests of 5 cached blocks, finishing one after another
+        blocks = pool.get_new_blocks(5)
+        pool.cache_full_blocks(_request(5, salt), blocks, 0, 5, 16, 0)
+        held.append(blocks)
+    for blocks in held:
+        pool.free_blocks(blocks)
+        assert pool.free_block_queue.num_free_blocks <= 40
+    # 80 blocks went over a cap of 40: each pass makes room for a quarter of it.
+    assert len(passes) <= 40 // int(40 * EVICT_SLACK)
+    assert pool.free_block_queue.num_free_blocks >= 40 * (1 - EVICT_SLACK)
+
+
 def test_exhaustion_under_limit_is_a_scheduling_miss():
     from kvcached_vllm.errors import KVPoolExhausted
     from kvcached_vllm.patches import wrap_allocate_slots
