@@ -10,7 +10,9 @@
 #   tokens   benchmarks/bench_vllm_gpu.py tokens -> $OUT/vllm-gpu-tokens.json
 #   perf     benchmarks/bench_vllm_gpu.py perf   -> $OUT/vllm-gpu-perf.json
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
-# BENCH_ARGS passes more options to bench_vllm_gpu.py (e.g. BENCH_ARGS="--reps 12").
+# BENCH_ARGS passes more options to bench_vllm_gpu.py (e.g. BENCH_ARGS="--reps 12", or
+# "--variant held:KVCACHED_IDLE_TRIM_S=0 --stacks $OUT/stacks" to compare settings and see where
+# each engine's Python threads spend their time: $OUT/stacks.tgz).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu-run}
 BUDGET=${BUDGET:-540}
@@ -64,5 +66,9 @@ for phase in "$@"; do
     *) echo "unknown phase $phase"; status=1 ;;
   esac
 done
+# Stack samples (BENCH_ARGS="--stacks $OUT/stacks") come back as one file: a run returns few files.
+if [ -d "$OUT/stacks" ]; then
+  tar czf "$OUT/stacks.tgz" -C "$OUT" stacks && rm -rf "$OUT/stacks"
+fi
 echo "total $(( $(date +%s) - start )) s"
 exit $status
