@@ -18,10 +18,10 @@ who owns a block:
 blocks. Evicting goes page-aware: pages whose every allocated block is evictable
 go first (LRU among them), so evicting actually unmaps memory. The number of
 evictable blocks is capped (``KVCACHED_MAX_CACHED_TOKENS``), so memory returns
-after a burst while hot prefixes stay cached. Going over the cap evicts down to
-``1 - EVICT_SLACK`` of it: a pass looks at every evictable block, so the
-requests that finish together at the end of a burst share a few passes
-instead of paying one each.
+after a burst while hot prefixes stay cached. The free queue counts its blocks
+per page as they come and go, so finding whole pages costs a look at each page
+the queue touches, not at each block: the requests that finish together at the
+end of a burst each pay for what they evict, not for the size of the cache.
 """
 
 from __future__ import annotations
@@ -37,10 +37,69 @@ from kvcached_core.allocator import KVBlockManager
 
 from kvcached_vllm.errors import KVPoolExhausted
 
-__all__ = ["EVICT_SLACK", "ElasticBlockPool", "KVPoolExhausted"]
+__all__ = ["ElasticBlockPool", "KVPoolExhausted"]
 
-#: An eviction for the cap goes this share of the cap below it.
-EVICT_SLACK = 0.25
+
+class _PageCountingQueue(FreeKVCacheBlockQueue):
+    """vLLM's free-block queue that also counts its blocks per page.
+
+    Every change to the queue goes through these methods (vLLM's own code and
+    the pool's alike), so ``per_page`` is exact; ``touched`` orders pages by the
+    last time a block of theirs joined the queue (least recent first).
+    """
+
+    def __init__(self, page_of: Any) -> None:
+        super().__init__([])
+        self._page_of = page_of
+        self.per_page: dict[int, int] = {}
+        self.touched: dict[int, None] = {}  # insertion-ordered: least recently joined first
+
+    def _joined(self, blocks: Iterable[Any]) -> None:
+        per_page, touched, page_of = self.per_page, self.touched, self._page_of
+        for block in blocks:
+            page = page_of(block.block_id)
+            per_page[page] = per_page.get(page, 0) + 1
+            touched.pop(page, None)
+            touched[page] = None
+
+    def _left(self, blocks: Iterable[Any]) -> None:
+        per_page, page_of = self.per_page, self._page_of
+        for block in blocks:
+            page = page_of(block.block_id)
+            left = per_page[page] - 1
+            if left:
+                per_page[page] = left
+            else:
+                del per_page[page]
+                self.touched.pop(page, None)
+
+    def popleft(self) -> Any:
+        block = super().popleft()
+        self._left((block,))
+        return block
+
+    def popleft_n(self, n: int) -> list[Any]:
+        blocks = super().popleft_n(n)
+        self._left(blocks)
+        return blocks
+
+    def remove(self, block: Any) -> None:
+        super().remove(block)
+        self._left((block,))
+
+    def append(self, block: Any) -> None:
+        super().append(block)
+        self._joined((block,))
+
+    def append_n(self, blocks: Any) -> None:
+        blocks = list(blocks)
+        super().append_n(blocks)
+        self._joined(blocks)
+
+    def prepend_n(self, blocks: Any) -> None:
+        blocks = list(blocks)
+        super().prepend_n(blocks)
+        self._joined(blocks)
 
 log = logging.getLogger("kvcached.vllm")
 
@@ -75,7 +134,7 @@ class ElasticBlockPool(BlockPool):
             )
         for block in self.blocks:  # nothing is evictable yet: free blocks live in kvcached
             block.prev_free_block = block.next_free_block = None
-        self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.free_block_queue = _PageCountingQueue(block_manager.page_of)
         self.kv_block_manager = block_manager
         self._kv_alloc = block_manager.alloc  # bound once: the hot path
         self._kv_free = block_manager.free
@@ -163,7 +222,7 @@ class ElasticBlockPool(BlockPool):
             queue.append_n(cached)
             cap = self.max_cached_blocks
             if cap is not None and queue.num_free_blocks > cap:
-                self._evict(queue.num_free_blocks - cap + int(cap * EVICT_SLACK))
+                self._evict(queue.num_free_blocks - cap)
         if others:
             for pool, blocks in others.items():
                 pool.free_blocks(blocks)
@@ -181,33 +240,34 @@ class ElasticBlockPool(BlockPool):
 
         Whole pages go first: a page whose allocated blocks are all evictable
         is unmapped once they are freed. Among such pages, and then among the
-        rest, the least recently used go first. Returns the blocks evicted.
+        rest, the least recently used go first (by the last time a block of
+        the page became evictable). Returns the blocks evicted.
         """
         queue = self.free_block_queue
         if n <= 0 or not queue.num_free_blocks:
             return 0
         kv = self.kv_block_manager
-        by_page: dict[int, list[Any]] = {}
-        order: list[int] = []
-        for block in queue.get_all_free_blocks():
-            page = kv.page_of(block.block_id)
-            group = by_page.get(page)
-            if group is None:
-                by_page[page] = group = []
-                order.append(page)
-            group.append(block)
-        whole = [p for p in order if len(by_page[p]) == kv.page_occupancy(p)]
-        partial = [p for p in order if len(by_page[p]) != kv.page_occupancy(p)]
+        occupancy, per_page = kv.page_occupancy, queue.per_page
+        pages = list(queue.touched)  # least recently used first
+        whole = [p for p in pages if per_page[p] == occupancy(p)]
         victims: list[Any] = []
         for page in whole:
             if len(victims) >= n:
                 break
-            victims += by_page[page]
-        if len(victims) < n:
-            rest = [b for p in partial for b in by_page[p]]
-            victims += rest[: n - len(victims)]
+            victims += self._queued_in_page(page)
+        for page in pages:  # then blocks of partly evictable pages, only as many as needed
+            if len(victims) >= n:
+                break
+            if per_page[page] != occupancy(page):
+                victims += self._queued_in_page(page)[: n - len(victims)]
         self._release_evictable(victims)
         return len(victims)
+
+    def _queued_in_page(self, page: int) -> list[Any]:
+        """The blocks of ``page`` in the free queue (members have queue links)."""
+        blocks = self.blocks
+        return [blocks[i] for i in self.kv_block_manager.blocks_in_page(page)
+                if blocks[i].prev_free_block is not None and blocks[i].ref_cnt == 0]
 
     def _release_evictable(self, victims: list[Any]) -> None:
         queue = self.free_block_queue

@@ -85,6 +85,10 @@ def engine(model: Path, *, enabled: bool, namespace: str | None = None,
     values.update(extra_env or {})
     with env(**values):
         llm = LLM(model=str(model), **{**ENGINE_KW, **kwargs})
+    # vLLM's LLM.__repr__ asks the engine core over RPC; a failing test's traceback shows
+    # the fixture's value, and must not wait on an engine in trouble.
+    llm.__class__ = type("TestLLM", (type(llm),),
+                         {"__repr__": lambda self: f"<LLM {model.name} kvcached={enabled}>"})
     try:
         yield llm
     finally:

@@ -159,25 +159,25 @@ def test_cached_block_cap_evicts_whole_pages_first():
     assert kv.page_occupancy(1) == 0 and kv.page_allocator.num_mapped == 1
 
 
-def test_requests_finishing_together_share_eviction_passes(monkeypatch):
-    from kvcached_vllm.pool import EVICT_SLACK, ElasticBlockPool
-
-    pool = _pool(max_cached=40)
-    passes = []
-    evict = ElasticBlockPool._evict
-    monkeypatch.setattr(ElasticBlockPool, "_evict",
-                        lambda self, n: passes.append(n) or evict(self, n))
-    held = []
-    for salt in range(16):  # 16 requests of 5 cached blocks, finishing one after another
-        blocks = pool.get_new_blocks(5)
-        pool.cache_full_blocks(_request(5, salt), blocks, 0, 5, 16, 0)
-        held.append(blocks)
-    for blocks in held:
-        pool.free_blocks(blocks)
-        assert pool.free_block_queue.num_free_blocks <= 40
-    # 80 blocks went over a cap of 40: each pass makes room for a quarter of it.
-    assert len(passes) <= 40 // int(40 * EVICT_SLACK)
-    assert pool.free_block_queue.num_free_blocks >= 40 * (1 - EVICT_SLACK)
+def test_the_free_queue_counts_its_blocks_per_page():
+    pool = _pool(max_cached=None)
+    queue, kv = pool.free_block_queue, pool.kv_block_manager
+    pool.get_new_blocks(31)  # page 0 (with the null block)
+    b = pool.get_new_blocks(32)  # page 1
+    c = pool.get_new_blocks(32)  # page 2
+    pool.cache_full_blocks(_request(32, 1), b, 0, 32, 16, 0)
+    pool.cache_full_blocks(_request(32, 2), c, 0, 32, 16, 0)
+    pool.free_blocks(c)
+    pool.free_blocks(b[:10])
+    assert queue.per_page == {2: 32, 1: 10} and list(queue.touched) == [2, 1]
+    pool.touch(c[:3])  # prefix-cache hits take blocks out of the queue (vLLM's own code)
+    assert queue.per_page == {2: 29, 1: 10}
+    assert pool._evict(5) == 5  # no page is whole: the least recent page gives 5 blocks
+    assert queue.per_page == {2: 24, 1: 10}
+    pool.free_blocks(c[:3])  # page 2 is whole again, and the most recently used
+    assert list(queue.touched) == [1, 2]
+    assert pool._evict(5) == 27  # a whole page goes first, all of it, though page 1 is older
+    assert queue.per_page == {1: 10} and kv.page_occupancy(2) == 0
 
 
 def test_exhaustion_under_limit_is_a_scheduling_miss():
