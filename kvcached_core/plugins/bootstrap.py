@@ -191,8 +191,7 @@ def _bootstrap(engine: str, strict: bool) -> BootstrapResult:
         return _vanilla(
             engine,
             "unsupported",
-            f"{engine} {version} ({found.source}) is outside the versions {adapter.owner} "
-            f"supports ({adapter.versions}); engine left vanilla",
+            f"{adapter.outside_note(version, found)}; engine left vanilla",
             strict,
             **fields,
         )

@@ -44,11 +44,13 @@ _NO_ADAPTER: dict[str, Any] = {
     "module": None,
     "versions": None,
     "description": "",
+    "covered": [],
     "plugin": None,
     "distribution": None,
     "installed": None,
     "version": None,
     "in_range": None,
+    "nearest_covered": None,
     "patches": [],
     "bootstrap": None,
 }
@@ -97,6 +99,7 @@ def _engine_entry(
         "installed": installed,
         "version": found.to_dict(),
         "in_range": None,
+        "nearest_covered": None,
         "patches": [],
         "bootstrap": None,
     }
@@ -109,10 +112,8 @@ def _engine_entry(
         return entry
     entry["in_range"] = adapter.supports(found.version)
     if not entry["in_range"]:
-        problems.append(
-            f"{adapter.name} {found.version} is outside the versions {adapter.owner} "
-            f"supports ({adapter.versions})"
-        )
+        entry["nearest_covered"] = adapter.nearest_covered(found.version)
+        problems.append(adapter.outside_note(found.version, found))
         return entry
     patch_set = engine_patch_set(adapter.name)
     try:

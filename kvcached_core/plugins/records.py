@@ -120,11 +120,14 @@ class EngineAdapter:
             May also be given as ``"module:function"``, imported on first
             call, so the plugin module need not import the patches.
         description: One line for ``kvctl doctor``.
+        covered: The releases every gate was checked against (for an engine
+            outside :attr:`versions`, :meth:`outside_note` names the nearest).
         plugin: Set by kvcached: the plugin that registered the adapter.
         distribution: Set by kvcached: the distribution that ships that plugin.
 
     Raises:
-        PluginError: A field is malformed (bad name, module path or specifier).
+        PluginError: A field is malformed (bad name, module path, specifier or
+            covered release).
     """
 
     name: str
@@ -133,11 +136,21 @@ class EngineAdapter:
     versions: SpecifierSet | str
     patch_sets: PatchSetFactory | str
     description: str = ""
+    covered: Sequence[str] = ()
     plugin: str | None = field(default=None, compare=False)
     distribution: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_name("engine adapter", self.name)
+        covered = (self.covered,) if isinstance(self.covered, str) else tuple(self.covered)
+        try:
+            ordered = tuple(str(v) for v in sorted(Version(c) for c in covered))
+        except (TypeError, ValueError):
+            raise PluginError(
+                f"engine adapter {self.name!r}: covered must be release versions, got "
+                f"{self.covered!r}"
+            ) from None
+        object.__setattr__(self, "covered", ordered)
         dists = (self.distributions,) if isinstance(self.distributions, str) else self.distributions
         dists = tuple(dists)
         if not dists or not all(isinstance(d, str) and _NAME.match(d) for d in dists):
@@ -167,6 +180,31 @@ class EngineAdapter:
     def supports(self, version: Version | str) -> bool:
         """Whether ``version`` is inside :attr:`versions` (pre-releases included)."""
         return version_matches(self.versions, version)
+
+    def nearest_covered(self, version: Version | str) -> str | None:
+        """The covered release closest to ``version``: the newest not above it, else the oldest."""
+        v = Version(str(version))
+        below = [c for c in self.covered if Version(c) <= v]
+        return below[-1] if below else (self.covered[0] if self.covered else None)
+
+    def outside_note(self, version: Version | str, found: Any = None) -> str:
+        """What to tell a user whose engine ``version`` is outside :attr:`versions`.
+
+        ``found`` (an :class:`~kvcached_core.plugins.versions.EngineVersion`)
+        names where the version came from and the distribution to install.
+        """
+        source = f" ({found.source})" if found is not None and found.source else ""
+        note = (f"{self.name} {version}{source} is outside the versions {self.owner} supports "
+                f"({self.versions})")
+        nearest = self.nearest_covered(version)
+        if nearest is None:
+            return note
+        dist = (found.distribution if found is not None else None) or self.distributions[0]
+        note += (f"; the nearest covered release is {self.name} {nearest}: "
+                 f"pip install '{dist}=={nearest}'")
+        if Version(str(version)) > Version(nearest):
+            note += f", or a {self.distribution or 'kvcached'} release that covers {version}"
+        return note
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""

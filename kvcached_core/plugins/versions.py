@@ -128,6 +128,12 @@ class EngineVersion:
         """Whether a usable version was found."""
         return self.version is not None
 
+    @property
+    def distribution(self) -> str | None:
+        """The installed distribution the version came from, if it came from one."""
+        prefix = "distribution "
+        return self.source[len(prefix):] if self.source and self.source.startswith(prefix) else None
+
     def __str__(self) -> str:
         return str(self.version) if self.version is not None else "unknown"
 

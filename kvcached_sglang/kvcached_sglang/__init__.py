@@ -19,7 +19,13 @@ __version__ = "0.1.0"
 #: development builds and pre-releases of a release inside exactly one range.
 SUPPORTED_VERSIONS = ">=0.4.9.dev0,<0.5.24.dev0"
 
+#: The releases whose source the adapter's gates are tested against (one
+#: environment each, ``scripts/setup_sglang.sh``); ``kvctl doctor`` names the
+#: nearest one to an engine outside the range.
+COVERED_RELEASES = ("0.4.9.post6", "0.4.10.post2", "0.5.1", "0.5.3", "0.5.4", "0.5.9",
+                    "0.5.11", "0.5.12.post1", "0.5.13", "0.5.15", "0.5.23")
+
 #: The entry-point name SGLang's ``SGLANG_PLUGINS`` allow-list must contain.
 PLUGIN_NAME = "kvcached"
 
-__all__ = ["PLUGIN_NAME", "SUPPORTED_VERSIONS", "__version__"]
+__all__ = ["COVERED_RELEASES", "PLUGIN_NAME", "SUPPORTED_VERSIONS", "__version__"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvcached_core import hookimpl
 from kvcached_core.plugins import EngineAdapter
 
-from kvcached_sglang import SUPPORTED_VERSIONS
+from kvcached_sglang import COVERED_RELEASES, SUPPORTED_VERSIONS
 
 __all__ = ["kvcached_engine_adapters"]
 
@@ -23,4 +23,5 @@ def kvcached_engine_adapters() -> EngineAdapter:
         versions=SUPPORTED_VERSIONS,
         patch_sets="kvcached_sglang.patches:build_patches",
         description="elastic KV cache for SGLang (KV pools, token allocators, leak check)",
+        covered=COVERED_RELEASES,
     )

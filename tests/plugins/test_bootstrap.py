@@ -229,7 +229,9 @@ def test_unsupported_version(site: FakeSite, monkeypatch: pytest.MonkeyPatch) ->
     assert result.status == "unsupported"
     assert result.reason == (
         "kvt 2.1.0 (distribution kvt-engine) is outside the versions plugin 'kvt' "
-        "(distribution 'kvcached-kvt') supports (<2,>=1.0); engine left vanilla"
+        "(distribution 'kvcached-kvt') supports (<2,>=1.0); the nearest covered release is "
+        "kvt 1.5.0: pip install 'kvt-engine==1.5.0', or a kvcached-kvt release that covers "
+        "2.1.0; engine left vanilla"
     )
     teardown("kvt")
     monkeypatch.setenv("KVCACHED_STRICT", "yes")

@@ -46,11 +46,13 @@ LAYOUT: dict[str, Any] = {
             "module": OPT_STR,
             "versions": OPT_STR,
             "description": str,
+            "covered": [str],
             "plugin": OPT_STR,
             "distribution": OPT_STR,
             "installed": OPT_BOOL,
             "version": (dict, type(None)),
             "in_range": OPT_BOOL,
+            "nearest_covered": OPT_STR,
             "patches": [
                 {
                     "name": str,
@@ -239,9 +241,22 @@ def test_doctor_unsupported_engine_version(site: FakeSite) -> None:
     report = build_report()
     [engine] = report["engines"]
     assert engine["in_range"] is False and engine["patches"] == []
+    assert engine["covered"] == ["1.0.0", "1.5.0"] and engine["nearest_covered"] == "1.5.0"
     assert report["problems"] == [
-        "kvt 2.1.0 is outside the versions plugin 'kvt' (distribution 'kvcached-kvt') supports (<2,>=1.0)"
+        "kvt 2.1.0 (distribution kvt-engine) is outside the versions plugin 'kvt' "
+        "(distribution 'kvcached-kvt') supports (<2,>=1.0); the nearest covered release is "
+        "kvt 1.5.0: pip install 'kvt-engine==1.5.0', or a kvcached-kvt release that covers 2.1.0"
     ]
+
+
+def test_doctor_names_the_oldest_covered_release_for_an_older_engine(site: FakeSite) -> None:
+    site.install_engine(version="0.9.2", dist="kvt-engine-cpu")
+    site.install_adapter()
+    [engine] = build_report()["engines"]
+    assert engine["nearest_covered"] == "1.0.0"
+    [problem] = build_report()["problems"]
+    assert problem.endswith("the nearest covered release is kvt 1.0.0: "
+                            "pip install 'kvt-engine-cpu==1.0.0'")
 
 
 def test_kvctl_without_a_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

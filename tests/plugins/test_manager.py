@@ -181,6 +181,15 @@ def test_malformed_specifier_in_a_plugin_names_the_plugin(engine_site: FakeSite)
     assert "invalid version specifier '>=1.0,<<2'" in problem
 
 
+def test_covered_releases_must_be_versions() -> None:
+    from kvcached_core.plugins import EngineAdapter
+
+    with pytest.raises(PluginError, match=r"engine adapter 'kvt': covered must be release "
+                                          r"versions, got \('1.0', 'latest'\)"):
+        EngineAdapter(name="kvt", distributions=("kvt-engine",), module="kvt_engine",
+                      versions=">=1.0", patch_sets=lambda v: [], covered=("1.0", "latest"))
+
+
 def test_malformed_target_in_a_plugin_names_the_plugin(engine_site: FakeSite) -> None:
     engine_site.plugin("kvcached-extra", "extra", "kvt_extra", EXTRA_WITH_BAD_TARGET)
     manager = get_plugin_manager()

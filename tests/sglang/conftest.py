@@ -27,12 +27,13 @@ SGLANG_DIR = ROOT / ".sglang"
 SHIMS = Path(__file__).resolve().parent / "shims"
 ADAPTER_SRC = ROOT / "kvcached_sglang"
 PROBE = Path(__file__).resolve().parent / "_probe.py"
+if str(ADAPTER_SRC) not in sys.path:
+    sys.path.insert(0, str(ADAPTER_SRC))  # the adapter's package imports without SGLang
+
+from kvcached_sglang import COVERED_RELEASES  # noqa: E402
 
 #: One release per line of SGLang's history the adapter gates on.
-RELEASES = (
-    "0.4.9.post6", "0.4.10.post2", "0.5.1", "0.5.3", "0.5.4", "0.5.9",
-    "0.5.11", "0.5.12.post1", "0.5.13", "0.5.15", "0.5.23",
-)
+RELEASES = COVERED_RELEASES
 
 
 def release_installed(version: str) -> bool:

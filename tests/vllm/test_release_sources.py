@@ -24,19 +24,18 @@ SOURCES = ROOT / ".vllm-src"
 sys.path.insert(0, str(ROOT / "kvcached_vllm"))  # the adapter imports without vLLM
 
 from kvcached_core.plugins.patching import parse_target  # noqa: E402
-from kvcached_vllm import SUPPORTED_VERSIONS  # noqa: E402
+from kvcached_vllm import COVERED_RELEASES, SUPPORTED_VERSIONS  # noqa: E402
 from kvcached_vllm.patches import build_patches  # noqa: E402
 from packaging.specifiers import SpecifierSet  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-COVERED = ("0.25.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
-           "0.32.0")
+COVERED = COVERED_RELEASES
 
 
 def test_covered_releases_are_the_declared_range():
     spec = SpecifierSet(SUPPORTED_VERSIONS)
     assert all(Version(v) in spec for v in COVERED)
-    assert Version("0.24.0") not in spec and Version("0.33.0") not in spec
+    assert Version("0.24.0") not in spec and Version("0.34.0") not in spec
 
 
 @lru_cache(maxsize=None)
@@ -195,9 +194,14 @@ def test_runners_call_what_is_patched(release):
     init_v2 = _function(release, "vllm.v1.worker.gpu.attn_utils", "init_kv_cache")
     assert _calls(init_v2, "allocate_kv_cache" if v >= Version("0.29.0.dev0")
                   else "_allocate_kv_cache")
-    # The warm-up reaches execute_model through the worker instance (the window shadows it).
+    # The warm-up reaches execute_model through the worker instance (the window shadows it),
+    # itself or in a method of the worker it delegates to (0.33: _compile_or_warm_up_model).
     warm = _method(release, "vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model")
-    assert _mentions(warm, "self.execute_model")
+    delegates = {ast.unparse(n.func)[len("self."):] for n in ast.walk(warm)
+                 if isinstance(n, ast.Call) and ast.unparse(n.func).startswith("self._")}
+    assert _mentions(warm, "self.execute_model") or any(
+        _mentions(_method(release, "vllm.v1.worker.gpu_worker", "Worker", d), "self.execute_model")
+        for d in delegates)
     coordinator = _module(release, "vllm.v1.core.kv_cache_coordinator")
     assert any(isinstance(n, ast.Call) and ast.unparse(n.func) == "BlockPool"
                for n in ast.walk(coordinator))
