@@ -104,7 +104,7 @@ from typing import Any
 
 from kvcached_core.allocator.fence import StepFence
 from kvcached_core.allocator.kv_tensors import KVTensors
-from kvcached_core.config import Settings, load_settings
+from kvcached_core.config import Settings, check_range, load_settings
 from kvcached_core.errors import (
     KVCachedConfigError,
     KVCachedError,
@@ -253,10 +253,9 @@ class PageAllocator:
         if keep < 0:
             raise KVCachedConfigError(f"idle_keep={keep} must be >= 0")
         util = s.gpu_utilization if gpu_utilization is None else gpu_utilization
-        if trim_s < 0 or not 0 < util <= 1:
-            raise KVCachedConfigError(
-                f"idle_trim_s={trim_s} must be >= 0 and gpu_utilization={util} in (0, 1]"
-            )
+        check_range("idle_trim_s", trim_s, "KVCACHED_IDLE_TRIM_S")  # a wait beyond it overflows
+        if not 0 < util <= 1:
+            raise KVCachedConfigError(f"gpu_utilization={util} must be in (0, 1]")
         self._kv = kv_tensors
         self._num_pages = n
         self._page_bytes = kv_tensors.page_bytes

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcached_core.env import env_float
+from kvcached_core.config import DEFAULT_IPC_TIMEOUT_S, check_range, env_setting
 from kvcached_core.errors import IPCError, ProtocolError, WorkerError, WorkerOutOfMemoryError
 from kvcached_core.ipc import paths
 from kvcached_core.ipc.protocol import Message, MsgType, Status, encode_request, read_message
@@ -49,7 +49,7 @@ from kvcached_core.ipc.worker import _trusted, peer_credentials
 __all__ = ["DEFAULT_TIMEOUT_S", "Endpoint", "MapBroadcaster", "WorkerGroup",
            "namespace_endpoints"]
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = DEFAULT_IPC_TIMEOUT_S
 _MIN_HANDSHAKE_S = 1.0
 _GRACE_S = 0.001
 
@@ -149,13 +149,14 @@ class WorkerGroup:
         for e in eps:
             paths.check_socket_path(e.path)
         self._endpoints: tuple[Endpoint, ...] = tuple(eps)
-        self.timeout = (
-            timeout if timeout is not None
-            else env_float("KVCACHED_IPC_TIMEOUT_S", DEFAULT_TIMEOUT_S, minimum=0.001)
+        self.timeout = float(
+            env_setting("KVCACHED_IPC_TIMEOUT_S", DEFAULT_TIMEOUT_S) if timeout is None
+            else check_range("timeout", timeout, "KVCACHED_IPC_TIMEOUT_S")
         )
-        self.connect_timeout = (
-            connect_timeout if connect_timeout is not None
-            else env_float("KVCACHED_IPC_CONNECT_TIMEOUT_S", DEFAULT_TIMEOUT_S, minimum=0.0)
+        self.connect_timeout = float(
+            env_setting("KVCACHED_IPC_CONNECT_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+            if connect_timeout is None
+            else check_range("connect_timeout", connect_timeout, "KVCACHED_IPC_CONNECT_TIMEOUT_S")
         )
         self._lock = threading.Lock()
         self._conns: list[_Conn] = []
