@@ -84,7 +84,7 @@ def shm_dir() -> Path:
     """Where segments live: ``$KVCACHED_SHM_DIR``, ``/dev/shm``, or the IPC base directory."""
     explicit = os.environ.get("KVCACHED_SHM_DIR", "").strip()
     if explicit:
-        return paths.private_dir(os.path.abspath(explicit))
+        return paths.private_dir(os.path.abspath(explicit), "KVCACHED_SHM_DIR")
     if os.path.isdir("/dev/shm"):
         return Path("/dev/shm")
     return paths.base_dir()
