@@ -10,7 +10,7 @@
 
 A :class:`WorkerGroup` keeps one persistent connection per worker, opened on
 first use (retrying until ``KVCACHED_IPC_CONNECT_TIMEOUT_S``, since workers may
-start after the scheduler) and checked by a handshake in which each worker
+start after the scheduler, and a busy worker's listen backlog may be full) and checked by a handshake in which each worker
 states its rank and pipeline stage. A call encodes its request once, sends it
 to every worker, and only then collects the replies, so the workers apply it
 in parallel. The whole call is bounded by ``KVCACHED_IPC_TIMEOUT_S``.
@@ -325,13 +325,16 @@ class WorkerGroup:
             try:
                 sock.connect(ep.path)
                 break
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+            except (FileNotFoundError, ConnectionRefusedError, BlockingIOError) as exc:
+                # Not listening yet, or (EAGAIN) listening with a full backlog: both pass.
                 sock.close()
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    what = ("the worker's listen backlog stayed full"
+                            if isinstance(exc, BlockingIOError) else "no worker listening")
                     raise WorkerError(
                         ep.rank, ep.path,
-                        f"no worker listening after {self.connect_timeout:g} s "
+                        f"{what} after {self.connect_timeout:g} s "
                         f"(KVCACHED_IPC_CONNECT_TIMEOUT_S): {exc.strerror}",
                         pp_stage=ep.pp_stage,
                     ) from None
