@@ -11,6 +11,10 @@
 //   unmap    = mmap(PROT_NONE, MAP_FIXED) back over the range
 //   release  = punch the slot's hole and return the slot for reuse
 //
+// Fork: mapped pages are MADV_DONTFORK, so a forked child does not inherit
+// them (the parent's KV pages never show up, writable, in a child), and the
+// page mapper refuses every call in a child (page_mapper.cpp).
+//
 // Mapped pages count in the process RSS once touched and leave it on unmap,
 // so CPU engines get a real elastic KV cache.
 #include <fcntl.h>
@@ -157,6 +161,7 @@ class HostBackend final : public Backend {
                   "host backend: mmap at " + hex(addr) + " failed: " +
                       errno_text(err));
     }
+    (void)madvise(p, size, MADV_DONTFORK);  // best effort: see the file comment
     queue_populate(addr, size);
   }
 

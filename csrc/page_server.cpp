@@ -76,6 +76,8 @@ const char* error_name(ErrorKind kind) {
       return "BackendUnavailableError";
     case ErrorKind::kInvalidArgument:
       return "MappingError";
+    case ErrorKind::kForked:
+      return "ForkedProcessError";
     case ErrorKind::kDriver:
       break;
   }
@@ -150,6 +152,7 @@ bool PageServer::has_group(std::uint32_t group) const {
 
 std::vector<std::int64_t> PageServer::apply(PageOp op, std::uint32_t group,
                                             const std::vector<std::int64_t>& pages) {
+  mapper_.check_process();  // before our lock, which the parent may have held at a fork
   if (op == PageOp::kMemInfo) {
     if (!has_group(group)) {
       throw Error(ErrorKind::kInvalidArgument,

@@ -85,7 +85,7 @@ import or construction. :meth:`PageAllocator.close` stops and joins it; it
 also ends by itself once the allocator is garbage-collected. After ``fork()``
 the child has no thread and must not use the parent's allocator (GPU
 mappings do not survive fork either): every call there raises
-:class:`~kvcached_core.errors.KVCachedError` before touching the lock, which
+:class:`~kvcached_core.errors.ForkedProcessError` before touching the lock, which
 the parent's thread may have held at the fork. Create a new one in the child.
 """
 
@@ -106,6 +106,7 @@ from kvcached_core.allocator.fence import StepFence
 from kvcached_core.allocator.kv_tensors import KVTensors
 from kvcached_core.config import Settings, check_range, load_settings
 from kvcached_core.errors import (
+    ForkedProcessError,
     KVCachedConfigError,
     KVCachedError,
     MappingError,
@@ -644,7 +645,7 @@ class PageAllocator:
 
     def _check_owner(self) -> None:
         if os.getpid() != self._pid:
-            raise KVCachedError(
+            raise ForkedProcessError(
                 f"this PageAllocator belongs to process {self._pid}; process {os.getpid()} "
                 "is a fork of it and must create its own"
             )
