@@ -61,11 +61,14 @@ Out of memory
 Running out of device memory is a scheduling miss: ``alloc_pages`` returns
 ``None`` with every page back where it was (a ``MemoryError`` from the backing,
 such as :class:`~kvcached_core.errors.DeviceOutOfMemoryError` or a worker's
-:class:`~kvcached_core.errors.WorkerOutOfMemoryError`). On GPU backings the
-pages the device can still back are read through the backing's
-``free_device_pages`` at most every ``mem_info_ttl_s`` seconds (never per
-allocation), keeping ``1 - gpu_utilization`` of the device free; pooled
-handles count as available.
+:class:`~kvcached_core.errors.WorkerOutOfMemoryError`). The pages the device
+can still back are read through the backing's ``free_device_pages`` at most
+every ``mem_info_ttl_s`` seconds (never per allocation), keeping
+``1 - gpu_utilization`` of the device free; pooled handles count as
+available. On the host backend the device is the memory this process may
+still commit: ``MemAvailable`` and the limits of its memory cgroups (v2
+``memory.max - memory.current``), so a CPU engine in a memory-limited
+container misses a schedule instead of being OOM-killed.
 
 The backing
 -----------
@@ -208,7 +211,8 @@ class PageAllocator:
         idle_trim_s: Release the reserve after this long idle (0: never).
         idle_keep: Reserved pages the idle trim leaves mapped (at most ``max_reserved``).
         memory_limit: Cap on mapped bytes (``None``: no cap).
-        gpu_utilization: On GPUs, leave ``1 - x`` of device memory free.
+        gpu_utilization: Leave ``1 - x`` of device memory free (on the host: of
+            the memory this process may commit).
         sync_on_unmap: Wait for queued device work before unmapping.
         mem_info_ttl_s: How long a device free-memory reading stays valid.
         fence: Keep freed pages mapped until the engine's device work that may
@@ -287,10 +291,9 @@ class PageAllocator:
         #: Bumped on every memory-limit change (lets callers cache available_pages()).
         self.limit_changes = 0
 
-        self._gpu = kv_tensors.device.is_gpu
         self._headroom = util
         self._mem_ttl = mem_info_ttl_s
-        self._phys_pages: int | None = None  # GPU only: pages the device can still back
+        self._phys_pages: int | None = None  # pages the device (or host) can still back
         self._phys_at = float("-inf")
 
         self._last_activity = time.monotonic()
@@ -802,9 +805,7 @@ class PageAllocator:
             _log.exception("kvcached: releasing pooled page handles failed")
 
     def _refresh_phys(self) -> None:
-        """Re-read what the device can still back when the last reading is stale (GPUs only)."""
-        if not self._gpu:
-            return
+        """Re-read what the device can still back when the last reading is stale."""
         now = time.monotonic()
         if now - self._phys_at < self._mem_ttl:
             return
