@@ -35,6 +35,7 @@ __all__ = [
 
 _N = TypeVar("_N", int, float)
 
+_LONG_INT_RE = re.compile(r"^[+-]?\d+$")  # an integer, however long
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -112,8 +113,6 @@ def _env_number(
         raise KVCachedConfigError(f"{name}={shown(value)} is above the maximum {maximum!r}")
     return number
 
-
-_LONG_INT_RE = re.compile(r"^[+-]?\d+$")
 
 
 def _finite_float(text: str) -> float:
