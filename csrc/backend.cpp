@@ -1,9 +1,24 @@
 // Backend registry: which backends this build holds and how to open one.
+#include <pthread.h>
+
+#include <atomic>
 #include <cstdio>
+#include <mutex>
 
 #include "backend.h"
 
 namespace kvcached {
+
+namespace {
+std::atomic<std::uint64_t> g_fork_generation{0};
+void count_fork_in_child() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
+std::uint64_t fork_generation() {
+  static std::once_flag registered;
+  std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, count_fork_in_child); });
+  return g_fork_generation.load(std::memory_order_relaxed);
+}
 
 std::vector<std::string> compiled_backends() {
   std::vector<std::string> out;

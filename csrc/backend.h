@@ -20,6 +20,7 @@ enum class ErrorKind {
   kOutOfMemory,      // no physical memory for a new handle
   kUnavailable,      // backend not compiled in, library or device missing
   kInvalidArgument,  // bad offset, size, page index, double map/unmap
+  kForked,           // used in a process forked from the one that opened it
 };
 
 class Error : public std::runtime_error {
@@ -94,6 +95,12 @@ SymbolReport probe_cuda();
 std::unique_ptr<Backend> make_hip_backend(int device);
 SymbolReport probe_hip();
 #endif
+
+// How many times this process (or its ancestors since it loaded the
+// extension) forked into a child: 0 in the process that loaded it. The first
+// call registers the pthread_atfork handler that counts, so call it before
+// any fork that must be seen (a mapper does, when it is opened).
+std::uint64_t fork_generation();
 
 // Helpers shared by the backends.
 std::string hex(std::uintptr_t value);

@@ -11,18 +11,41 @@
 //   unmap    = mmap(PROT_NONE, MAP_FIXED) back over the range
 //   release  = punch the slot's hole and return the slot for reuse
 //
+// Fork: mapped pages are MADV_DONTFORK, so a forked child does not inherit
+// them (the parent's KV pages never show up, writable, in a child), and the
+// page mapper refuses every call in a child (page_mapper.cpp).
+//
 // Mapped pages count in the process RSS once touched and leave it on unmap,
 // so CPU engines get a real elastic KV cache.
+//
+// Memory limits: committing past a memory cgroup's limit does not fail, it
+// gets the process OOM-killed. So create() first checks the memory the
+// process may still commit, as a GPU create meets the device's free memory:
+// MemAvailable, and for each memory cgroup from the process's own up to the
+// root, its limit minus its usage (cgroup v2 memory.max - memory.current, v1
+// memory.limit_in_bytes - memory.usage_in_bytes; reclaimable page cache,
+// inactive_file, counts as free). A commit that would leave less than
+// kCommitMargin is out of memory: an exception the allocator turns into "no
+// space". The reading is kept as a budget that commits draw down and
+// releases refill, and is read again when 100 ms old or too small.
+// mem_info() reports the same reading (free: what may still be committed;
+// total: MemTotal or the smallest cgroup limit).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <cstdio>
 #include <deque>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,6 +63,133 @@ namespace kvcached {
 namespace {
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+// Memory a commit must leave free (kernel charge batching, the process's own growth).
+constexpr std::size_t kCommitMargin = 32u << 20;
+constexpr auto kBudgetTtl = std::chrono::milliseconds(100);
+constexpr std::size_t kUnlimited = std::numeric_limits<std::size_t>::max();
+
+// One memory cgroup level: the files of its limit, usage and statistics.
+struct CgroupLevel {
+  std::string dir;
+  bool v2;
+};
+
+bool read_word(const std::string& path, std::string& out) {
+  std::ifstream f(path);
+  return static_cast<bool>(f >> out);
+}
+
+// A size from a cgroup file: "max" (v2) and v1's "no limit" (near 2^63) are kUnlimited.
+std::size_t parse_limit(const std::string& word) {
+  if (word == "max") return kUnlimited;
+  errno = 0;
+  char* end = nullptr;
+  unsigned long long v = std::strtoull(word.c_str(), &end, 10);
+  if (errno != 0 || end == word.c_str() || v >= (1ull << 62)) return kUnlimited;
+  return static_cast<std::size_t>(v);
+}
+
+std::size_t stat_value(const std::string& path, const char* key) {
+  std::ifstream f(path);
+  std::string k;
+  unsigned long long v = 0;
+  while (f >> k >> v)
+    if (k == key) return static_cast<std::size_t>(v);
+  return 0;
+}
+
+// This process's memory cgroups, its own first, up to the root of the
+// hierarchy that holds the memory controller (v1 if mounted, else v2).
+std::vector<CgroupLevel> memory_cgroups() {
+  std::string v1_path, v2_path;
+  {
+    std::ifstream f("/proc/self/cgroup");
+    std::string line;
+    while (std::getline(f, line)) {
+      auto a = line.find(':'), b = line.find(':', a + 1);
+      if (a == std::string::npos || b == std::string::npos) continue;
+      std::string controllers = "," + line.substr(a + 1, b - a - 1) + ",";
+      std::string path = line.substr(b + 1);
+      if (line.compare(0, a, "0") == 0 && b == a + 1) v2_path = path;
+      if (controllers.find(",memory,") != std::string::npos) v1_path = path;
+    }
+  }
+  std::ifstream f("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    // id parent major:minor root mountpoint options [optional...] - fstype source super
+    std::istringstream in(line);
+    std::string id, parent, dev, root, point, word;
+    in >> id >> parent >> dev >> root >> point;
+    while (in >> word && word != "-") {
+    }
+    std::string fstype, source, super;
+    in >> fstype >> source >> super;
+    const bool v1 = fstype == "cgroup" && ("," + super + ",").find(",memory,") != std::string::npos;
+    const bool v2 = fstype == "cgroup2" && v1_path.empty();
+    const std::string& path = v1 ? v1_path : v2_path;
+    if (!(v1 || v2) || path.empty()) continue;
+    std::string rel = path;
+    if (root != "/") {
+      if (rel.compare(0, root.size(), root) != 0) continue;  // not under this mount
+      rel = rel.substr(root.size());
+    }
+    std::vector<CgroupLevel> levels;
+    std::string dir = point + (rel == "/" ? "" : rel);
+    while (true) {
+      levels.push_back(CgroupLevel{dir, v2});
+      if (dir.size() <= point.size()) break;
+      dir = dir.substr(0, dir.rfind('/'));
+      if (dir.size() < point.size()) break;
+    }
+    return levels;
+  }
+  return {};
+}
+
+struct CommitReading {
+  std::size_t avail;  // bytes this process may still commit
+  std::size_t total;  // MemTotal, or the smallest cgroup limit
+  std::string bound;  // what bounds `avail`, for messages
+};
+
+CommitReading read_commit_limit(const std::vector<CgroupLevel>& levels) {
+  CommitReading r{kUnlimited, kUnlimited, "MemAvailable"};
+  // stdio, not iostreams, for /proc/meminfo: see hex() in backend.cpp.
+  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char key[64];
+    unsigned long long kib = 0;
+    while (std::fscanf(f, "%63s %llu kB", key, &kib) == 2) {
+      if (std::strcmp(key, "MemTotal:") == 0) r.total = kib * 1024;
+      if (std::strcmp(key, "MemAvailable:") == 0) r.avail = kib * 1024;
+    }
+    std::fclose(f);
+  }
+  for (const auto& level : levels) {
+    std::string limit_word, usage_word;
+    const std::string limit_file = level.dir + (level.v2 ? "/memory.max" : "/memory.limit_in_bytes");
+    if (!read_word(limit_file, limit_word)) continue;
+    const std::size_t limit = parse_limit(limit_word);
+    if (limit == kUnlimited) continue;
+    if (!read_word(level.dir + (level.v2 ? "/memory.current" : "/memory.usage_in_bytes"),
+                   usage_word)) {
+      continue;
+    }
+    std::size_t usage = parse_limit(usage_word);
+    if (usage == kUnlimited) continue;
+    const std::size_t cache =
+        stat_value(level.dir + "/memory.stat", level.v2 ? "inactive_file" : "total_inactive_file");
+    usage -= std::min(usage, cache);
+    const std::size_t room = limit > usage ? limit - usage : 0;
+    r.total = std::min(r.total, limit);
+    if (room < r.avail) {
+      r.avail = room;
+      r.bound = "the memory cgroup limit " + limit_file + " (" + std::to_string(limit) + " bytes)";
+    }
+  }
+  return r;
+}
 
 class HostBackend final : public Backend {
  public:
@@ -107,6 +257,7 @@ class HostBackend final : public Backend {
 
   Handle create(std::size_t size) override {
     std::lock_guard<std::mutex> lock(mu_);
+    draw_budget_locked(size);
     off_t offset;
     auto& slots = free_slots_[size];
     bool fresh = slots.empty();
@@ -117,6 +268,7 @@ class HostBackend final : public Backend {
       offset = file_size_;
       if (ftruncate(fd_, file_size_ + static_cast<off_t>(size)) != 0) {
         int err = errno;
+        budget_ += size;
         throw Error(ErrorKind::kOutOfMemory,
                     "host backend: cannot grow the page file by " +
                         std::to_string(size) + " bytes: " + errno_text(err));
@@ -128,6 +280,7 @@ class HostBackend final : public Backend {
     if (fallocate(fd_, 0, offset, static_cast<off_t>(size)) != 0) {
       int err = errno;
       slots.push_back(offset);
+      budget_ += size;
       throw Error(err == ENOSPC || err == ENOMEM ? ErrorKind::kOutOfMemory
                                                  : ErrorKind::kDriver,
                   "host backend: cannot commit " + std::to_string(size) +
@@ -146,6 +299,7 @@ class HostBackend final : public Backend {
     }
     std::lock_guard<std::mutex> lock(mu_);
     free_slots_[size].push_back(offset);
+    budget_ += size;
   }
 
   void map(std::uintptr_t addr, std::size_t size, Handle handle) override {
@@ -157,6 +311,7 @@ class HostBackend final : public Backend {
                   "host backend: mmap at " + hex(addr) + " failed: " +
                       errno_text(err));
     }
+    (void)madvise(p, size, MADV_DONTFORK);  // best effort: see the file comment
     queue_populate(addr, size);
   }
 
@@ -174,23 +329,41 @@ class HostBackend final : public Backend {
   }
 
   MemInfo mem_info() override {
-    // stdio, not iostreams: see hex() in backend.cpp.
-    std::size_t total = 0, avail = 0;
-    if (FILE* f = std::fopen("/proc/meminfo", "r")) {
-      char key[64];
-      unsigned long long kib = 0;
-      while (std::fscanf(f, "%63s %llu kB", key, &kib) == 2) {
-        if (std::strcmp(key, "MemTotal:") == 0) total = kib * 1024;
-        if (std::strcmp(key, "MemAvailable:") == 0) avail = kib * 1024;
-      }
-      std::fclose(f);
-    }
-    return MemInfo{avail, total};
+    std::lock_guard<std::mutex> lock(mu_);
+    const CommitReading r = read_locked();
+    return MemInfo{r.avail, r.total};
   }
 
   void synchronize() override {}
 
  private:
+  // Caller holds mu_. Reads the commit limit now (see the file comment).
+  CommitReading read_locked() {
+    if (cgroups_pid_ != getpid()) {  // once per process: a fork may be moved elsewhere
+      cgroups_ = memory_cgroups();
+      cgroups_pid_ = getpid();
+    }
+    CommitReading r = read_commit_limit(cgroups_);
+    budget_ = r.avail > kCommitMargin ? r.avail - kCommitMargin : 0;
+    budget_at_ = std::chrono::steady_clock::now();
+    return r;
+  }
+
+  // Caller holds mu_. Takes `size` bytes from the budget or throws out of memory.
+  void draw_budget_locked(std::size_t size) {
+    if (budget_ < size || std::chrono::steady_clock::now() - budget_at_ > kBudgetTtl) {
+      const CommitReading r = read_locked();
+      if (budget_ < size) {
+        throw Error(ErrorKind::kOutOfMemory,
+                    "host backend: cannot commit " + std::to_string(size) + " bytes: " +
+                        std::to_string(r.avail) + " bytes may still be committed (bounded by " +
+                        r.bound + ") and " + std::to_string(kCommitMargin) +
+                        " must stay free");
+      }
+    }
+    budget_ -= size;
+  }
+
   // MADV_POPULATE_WRITE exists from Linux 5.14; before, faults do the work.
   static bool kernel_populates() {
     long page = sysconf(_SC_PAGESIZE);
@@ -242,6 +415,10 @@ class HostBackend final : public Backend {
   pid_t populator_pid_ = 0;
   std::size_t granularity_;
   std::mutex mu_;
+  std::vector<CgroupLevel> cgroups_;
+  pid_t cgroups_pid_ = 0;
+  std::size_t budget_ = 0;  // bytes create() may commit before the next reading
+  std::chrono::steady_clock::time_point budget_at_{};
   off_t file_size_ = 0;
   std::map<std::size_t, std::vector<off_t>> free_slots_;
 };

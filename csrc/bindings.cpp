@@ -18,7 +18,8 @@ namespace {
 
 PyObject* python_error_for(ErrorKind kind) {
   static const char* names[] = {"DeviceError", "DeviceOutOfMemoryError",
-                                "BackendUnavailableError", "MappingError"};
+                                "BackendUnavailableError", "MappingError",
+                                "ForkedProcessError"};
   py::module_ errors = py::module_::import("kvcached_core.errors");
   return errors.attr(names[static_cast<int>(kind)]).ptr();
 }

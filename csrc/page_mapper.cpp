@@ -1,13 +1,24 @@
 #include "page_mapper.h"
 
+#include <unistd.h>
+
 #include <limits>
 #include <unordered_set>
 
 namespace kvcached {
 
+// Fork: a mapper belongs to the process that opened it. In a forked child
+// every call throws ErrorKind::kForked before it takes the lock (a thread of
+// the parent may have held it at the fork), and destructors there release
+// nothing: the handles and the device context are the parent's, and a host
+// page's hole punch would wipe the parent's page. The host backend also keeps
+// its mappings out of children (MADV_DONTFORK), so a child never shares a
+// page with its parent by accident.
 struct MapperCore {
   std::unique_ptr<Backend> backend;
   std::size_t page_size = 0;
+  std::uint64_t generation = fork_generation();
+  pid_t owner_pid = getpid();
   mutable std::mutex mu;
   std::vector<Handle> pool;
   std::size_t pool_limit = std::numeric_limits<std::size_t>::max();
@@ -15,7 +26,22 @@ struct MapperCore {
   std::size_t handles_created = 0;
   std::size_t handles_released = 0;
 
+  bool forked() const noexcept { return fork_generation() != generation; }
+
+  void check_process() const {
+    if (forked()) {
+      throw Error(ErrorKind::kForked,
+                  "this " + std::string(backend->name()) + " page mapper belongs to process " +
+                      std::to_string(owner_pid) + "; process " + std::to_string(getpid()) +
+                      " is a fork of it and must open its own mapper");
+    }
+  }
+
   ~MapperCore() {
+    if (forked()) {
+      (void)backend.release();  // the parent's: no driver call, no hole punch here
+      return;
+    }
     for (Handle h : pool) {
       try {
         backend->release(h, page_size);
@@ -70,6 +96,7 @@ VirtualTensor::VirtualTensor(std::shared_ptr<MapperCore> core,
       mapped_(size / core_->page_size, 0) {}
 
 VirtualTensor::~VirtualTensor() {
+  if (core_->forked()) return;  // the parent's pages and reservation: leave them be
   std::lock_guard<std::mutex> lock(core_->mu);
   const std::size_t ps = core_->page_size;
   if (num_mapped_ > 0) {
@@ -95,11 +122,13 @@ VirtualTensor::~VirtualTensor() {
 }
 
 std::size_t VirtualTensor::mapped_pages() const {
+  core_->check_process();
   std::lock_guard<std::mutex> lock(core_->mu);
   return num_mapped_;
 }
 
 bool VirtualTensor::is_mapped(std::size_t page) const {
+  core_->check_process();
   std::lock_guard<std::mutex> lock(core_->mu);
   if (page >= mapped_.size()) {
     throw Error(ErrorKind::kInvalidArgument,
@@ -163,7 +192,10 @@ int PageMapper::dlpack_device_type() const {
 std::size_t PageMapper::page_size() const { return core_->page_size; }
 std::size_t PageMapper::granularity() const { return core_->backend->granularity(); }
 
+void PageMapper::check_process() const { core_->check_process(); }
+
 std::shared_ptr<VirtualTensor> PageMapper::reserve(std::size_t size) {
+  core_->check_process();
   const std::size_t ps = core_->page_size;
   if (size == 0 || size % ps != 0) {
     throw Error(ErrorKind::kInvalidArgument,
@@ -261,6 +293,7 @@ void PageMapper::unmap(const std::vector<std::shared_ptr<VirtualTensor>>& tensor
 }
 
 PageGroup PageMapper::group(std::vector<std::shared_ptr<VirtualTensor>> tensors) const {
+  core_->check_process();
   return PageGroup(*this, std::move(tensors));
 }
 
@@ -271,6 +304,7 @@ PageGroup::PageGroup(PageMapper mapper, std::vector<std::shared_ptr<VirtualTenso
 
 void PageMapper::map_checked(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
                              const std::vector<std::int64_t>& pages, bool with_tensors) {
+  core_->check_process();
   std::lock_guard<std::mutex> lock(core_->mu);
   check_batch(core_.get(), tensors, pages, false, with_tensors);
   const std::size_t ps = core_->page_size;
@@ -328,6 +362,7 @@ void PageMapper::unmap_checked(const std::vector<std::shared_ptr<VirtualTensor>>
   // last as long as the device's current work, and maps of other pages (and
   // queries) must not wait behind it. The pages stay mapped meanwhile; the
   // caller owns them and hands none of them out while they are being unmapped.
+  core_->check_process();
   if (synchronize && !pages.empty()) core_->backend->synchronize();
   std::lock_guard<std::mutex> lock(core_->mu);
   check_batch(core_.get(), tensors, pages, true, with_tensors);
@@ -344,24 +379,33 @@ void PageMapper::unmap_checked(const std::vector<std::shared_ptr<VirtualTensor>>
 }
 
 std::size_t PageMapper::trim_pool(std::size_t keep) {
+  core_->check_process();
   std::lock_guard<std::mutex> lock(core_->mu);
   return core_->trim_to(keep);
 }
 
 void PageMapper::set_pool_limit(std::size_t limit) {
+  core_->check_process();
   std::lock_guard<std::mutex> lock(core_->mu);
   core_->pool_limit = limit;
   core_->trim_to(limit);
 }
 
 MapperStats PageMapper::stats() const {
+  core_->check_process();
   std::lock_guard<std::mutex> lock(core_->mu);
   return MapperStats{core_->mapped_pages, core_->pool.size(), core_->handles_created,
                      core_->handles_released, core_->pool_limit};
 }
 
-MemInfo PageMapper::mem_info() const { return core_->backend->mem_info(); }
+MemInfo PageMapper::mem_info() const {
+  core_->check_process();
+  return core_->backend->mem_info();
+}
 
-void PageMapper::synchronize() { core_->backend->synchronize(); }
+void PageMapper::synchronize() {
+  core_->check_process();
+  core_->backend->synchronize();
+}
 
 }  // namespace kvcached

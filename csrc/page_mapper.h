@@ -93,6 +93,9 @@ class PageMapper {
   MapperStats stats() const;
   MemInfo mem_info() const;
   void synchronize();
+  // Throws Error(kForked) in a process forked from the one that opened the
+  // mapper; every other call checks this first.
+  void check_process() const;
 
  private:
   friend class PageGroup;

@@ -21,6 +21,8 @@ constexpr std::size_t kHeaderSize = 28;
 constexpr std::uint8_t kReplyBit = 0x80;
 constexpr std::uint32_t kMaxCount = 1u << 24;
 constexpr std::uint32_t kMaxText = 64 * 1024;
+// Payload bytes read (and buffered) at a time.
+constexpr std::size_t kReadChunk = 1 << 20;
 
 struct Header {
   std::uint8_t type;
@@ -74,6 +76,8 @@ const char* error_name(ErrorKind kind) {
       return "BackendUnavailableError";
     case ErrorKind::kInvalidArgument:
       return "MappingError";
+    case ErrorKind::kForked:
+      return "ForkedProcessError";
     case ErrorKind::kDriver:
       break;
   }
@@ -148,6 +152,7 @@ bool PageServer::has_group(std::uint32_t group) const {
 
 std::vector<std::int64_t> PageServer::apply(PageOp op, std::uint32_t group,
                                             const std::vector<std::int64_t>& pages) {
+  mapper_.check_process();  // before our lock, which the parent may have held at a fork
   if (op == PageOp::kMemInfo) {
     if (!has_group(group)) {
       throw Error(ErrorKind::kInvalidArgument,
@@ -235,11 +240,19 @@ std::string PageServer::serve(int fd) {
     const Header h = unpack(frame.data());
     if (h.count > kMaxCount || h.text_len > kMaxText) return frame;
     const std::size_t payload = 8 * static_cast<std::size_t>(h.count) + h.text_len;
-    frame.resize(kHeaderSize + payload);
-    got = read_full(fd, frame.data() + kHeaderSize, payload);
-    if (got < payload) {
-      frame.resize(kHeaderSize + got);
-      return frame;
+    // Grow the buffer as the payload arrives, not by what the header
+    // announces: a peer that sends headers only must not make us allocate
+    // (and zero-fill) 128 MiB per connection.
+    std::size_t have = 0;
+    while (have < payload) {
+      const std::size_t step = std::min(payload - have, kReadChunk);
+      frame.resize(kHeaderSize + have + step);
+      got = read_full(fd, frame.data() + kHeaderSize + have, step);
+      have += got;
+      if (got < step) {
+        frame.resize(kHeaderSize + have);
+        return frame;
+      }
     }
     const bool page_request = (h.type == static_cast<std::uint8_t>(PageOp::kMap) ||
                                h.type == static_cast<std::uint8_t>(PageOp::kUnmap) ||

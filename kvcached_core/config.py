@@ -1,40 +1,117 @@
 """kvcached's settings, read from ``KVCACHED_*`` environment variables.
 
-============================  =======  =========================================
-variable                      default  meaning
-============================  =======  =========================================
-KVCACHED_PAGE_SIZE_MB         2        physical page size per layer buffer (MiB)
-KVCACHED_CONTIGUOUS_LAYOUT    off      one tensor for all layers (compound pages)
-KVCACHED_PREALLOC             on       keep a reserve of mapped pages (background)
-KVCACHED_MIN_RESERVED_PAGES   2        refill the reserve below this many pages
-KVCACHED_MAX_RESERVED_PAGES   8        never keep more mapped-but-unused pages
-KVCACHED_IDLE_TRIM_S          5        trim the reserve after this long idle (0: never)
-KVCACHED_IDLE_KEEP_PAGES      0        reserved pages the idle trim leaves mapped
-KVCACHED_MEMORY_LIMIT         none     cap on mapped KV bytes per pool (e.g. 2G, 512M)
-KVCACHED_GPU_UTILIZATION      0.95     leave (1-x) of device memory free when mapping
-============================  =======  =========================================
+==============================  =======  =============  ======================================
+variable                        default  range          meaning
+==============================  =======  =============  ======================================
+KVCACHED_PAGE_SIZE_MB           2        1..1024        physical page per layer buffer (MiB)
+KVCACHED_CONTIGUOUS_LAYOUT      off                     one tensor for all layers
+KVCACHED_PREALLOC               on                      keep a reserve of mapped pages
+KVCACHED_MIN_RESERVED_PAGES     2        0..65536       refill the reserve below this many pages
+KVCACHED_MAX_RESERVED_PAGES     8        0..65536       never keep more mapped-but-unused pages
+KVCACHED_IDLE_TRIM_S            5        0..604800      trim the reserve after this long idle
+                                                        (0: never)
+KVCACHED_IDLE_KEEP_PAGES        0        0..65536       reserved pages the idle trim leaves
+KVCACHED_MEMORY_LIMIT           none     0..1 EiB       cap on mapped KV bytes per pool (2G)
+KVCACHED_GPU_UTILIZATION        0.95     0.05..1        leave (1-x) of the memory free
+KVCACHED_MAX_CACHED_TOKENS      8192     -1..2^31-1     prefix-cached tokens kept (-1: no cap)
+KVCACHED_IPC_TIMEOUT_S          60       0.001..86400   bound on one call to the workers
+KVCACHED_IPC_CONNECT_TIMEOUT_S  60       0..86400       bound on connecting to a worker
+==============================  =======  =============  ======================================
+
+Every numeric setting has an accepted range (:data:`RANGES`, the README's
+settings table lists the same); a value outside it, a non-finite one or one
+too large to represent is a :class:`KVCachedConfigError` naming the variable
+and the value, raised when the setting is read.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
 
-from kvcached_core.env import env_bool, env_float, env_int
+from kvcached_core.env import env_bool, env_float, env_int, shown
 from kvcached_core.errors import KVCachedConfigError
 
 MiB = 1 << 20
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+#: The largest size :func:`parse_size` accepts: 1 EiB (fits a signed 64-bit word).
+MAX_SIZE = 1 << 60
+
+#: The accepted range, both ends included, of every numeric ``KVCACHED_*`` setting.
+RANGES: dict[str, tuple[int | float, int | float]] = {
+    "KVCACHED_PAGE_SIZE_MB": (1, 1024),
+    "KVCACHED_MIN_RESERVED_PAGES": (0, 1 << 16),
+    "KVCACHED_MAX_RESERVED_PAGES": (0, 1 << 16),
+    "KVCACHED_IDLE_TRIM_S": (0.0, 7 * 86400.0),
+    "KVCACHED_IDLE_KEEP_PAGES": (0, 1 << 16),
+    "KVCACHED_MEMORY_LIMIT": (0, MAX_SIZE),
+    "KVCACHED_GPU_UTILIZATION": (0.05, 1.0),
+    "KVCACHED_MAX_CACHED_TOKENS": (-1, (1 << 31) - 1),
+    "KVCACHED_IPC_TIMEOUT_S": (0.001, 86400.0),
+    "KVCACHED_IPC_CONNECT_TIMEOUT_S": (0.0, 86400.0),
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_MAX_SIZE_DIGITS = 30  # a longer integer part is out of range whatever the unit
 
 
 def parse_size(text: str, name: str = "size") -> int:
-    """Parse a byte count such as ``512M``, ``2G``, ``1.5GiB`` or ``1048576``."""
+    """Parse a byte count such as ``512M``, ``2G``, ``1.5GiB`` or ``1048576``.
+
+    Exact (no floating point); a fraction of a byte is dropped.
+
+    Raises:
+        KVCachedConfigError: ``text`` is not a size, or it is above :data:`MAX_SIZE`.
+    """
     match = _SIZE_RE.match(str(text))
     if match is None:
-        raise KVCachedConfigError(f"{name}={text!r} is not a size (use e.g. 512M, 2G, 1048576)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        raise KVCachedConfigError(
+            f"{name}={shown(text, quote=True)} is not a size (use e.g. 512M, 2G, 1048576)"
+        )
+    whole, frac, unit = match.group(1), match.group(2) or "", match.group(3).lower()
+    if len(whole.lstrip("0")) > _MAX_SIZE_DIGITS:
+        size = MAX_SIZE + 1
+    else:
+        scale = _UNITS[unit]
+        frac = frac[:_MAX_SIZE_DIGITS]
+        size = int(whole) * scale + (int(frac) * scale // 10 ** len(frac) if frac else 0)
+    if size > MAX_SIZE:
+        raise KVCachedConfigError(
+            f"{name}={shown(str(text).strip())} is above the maximum {MAX_SIZE} bytes (1 EiB)"
+        )
+    return size
+
+
+def check_range(what: str, value: float, setting: str) -> float:
+    """Return ``value`` if it is finite and in the range of ``setting``, else raise.
+
+    For values passed in code rather than read from the environment:
+    ``what`` names the argument (e.g. ``"idle_trim_s"``) and ``setting`` the
+    variable whose range applies.
+
+    Raises:
+        KVCachedConfigError: naming ``what``, the value and the range.
+    """
+    lo, hi = RANGES[setting]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and lo <= value <= hi):
+        raise KVCachedConfigError(
+            f"{what}={shown(repr(value))} is outside {lo!r}..{hi!r} (the range of {setting})"
+        )
+    return value
+
+
+def env_setting(name: str, default: int | float) -> int | float:
+    """Read the numeric setting ``name`` within its range in :data:`RANGES`.
+
+    The type of ``default`` picks the parser (an integer or a finite float).
+    """
+    lo, hi = RANGES[name]
+    if isinstance(default, int) and not isinstance(default, bool):
+        return env_int(name, default, minimum=int(lo), maximum=int(hi))
+    return env_float(name, float(default), minimum=float(lo), maximum=float(hi))
 
 
 @dataclass(frozen=True)
@@ -69,10 +146,10 @@ def load_settings(**defaults: float) -> Settings:
     if unknown:
         raise KVCachedConfigError(f"unknown kvcached settings {sorted(unknown)}")
     d = {**DEFAULTS, **defaults}
-    page_mb = env_int("KVCACHED_PAGE_SIZE_MB", int(d["page_size_mb"]), minimum=1)
+    page_mb = env_setting("KVCACHED_PAGE_SIZE_MB", int(d["page_size_mb"]))
     layout = os.environ.get("KVCACHED_CONTIGUOUS_LAYOUT", "").strip()
-    min_res = env_int("KVCACHED_MIN_RESERVED_PAGES", int(d["min_reserved_pages"]), minimum=0)
-    max_res = env_int("KVCACHED_MAX_RESERVED_PAGES", int(d["max_reserved_pages"]), minimum=0)
+    min_res = env_setting("KVCACHED_MIN_RESERVED_PAGES", int(d["min_reserved_pages"]))
+    max_res = env_setting("KVCACHED_MAX_RESERVED_PAGES", int(d["max_reserved_pages"]))
     if max_res < min_res:
         raise KVCachedConfigError(
             f"KVCACHED_MAX_RESERVED_PAGES={max_res} is below KVCACHED_MIN_RESERVED_PAGES={min_res}"
@@ -84,13 +161,15 @@ def load_settings(**defaults: float) -> Settings:
         prealloc=env_bool("KVCACHED_PREALLOC", True),
         min_reserved_pages=min_res,
         max_reserved_pages=max_res,
-        idle_trim_s=env_float("KVCACHED_IDLE_TRIM_S", float(d["idle_trim_s"]), minimum=0.0),
+        idle_trim_s=env_setting("KVCACHED_IDLE_TRIM_S", float(d["idle_trim_s"])),
         memory_limit=parse_size(limit_text, "KVCACHED_MEMORY_LIMIT") if limit_text else None,
-        gpu_utilization=env_float("KVCACHED_GPU_UTILIZATION", float(d["gpu_utilization"]),
-                                  minimum=0.05, maximum=1.0),
-        idle_keep_pages=env_int("KVCACHED_IDLE_KEEP_PAGES", int(d["idle_keep_pages"]),
-                                minimum=0),
+        gpu_utilization=env_setting("KVCACHED_GPU_UTILIZATION", float(d["gpu_utilization"])),
+        idle_keep_pages=env_setting("KVCACHED_IDLE_KEEP_PAGES", int(d["idle_keep_pages"])),
     )
+
+
+#: Default of ``KVCACHED_IPC_TIMEOUT_S`` and ``KVCACHED_IPC_CONNECT_TIMEOUT_S`` (seconds).
+DEFAULT_IPC_TIMEOUT_S = 60.0
 
 
 def contiguous_layout() -> bool:
@@ -111,8 +190,8 @@ def max_cached_tokens() -> int | None:
 
     Engines with an elastic pool evict cached prefixes beyond this many tokens
     (whole pages first), so memory returns after a burst while hot prefixes
-    stay. ``None`` (a negative value) means no cap: the cache keeps what the
-    engine would keep.
+    stay. ``None`` (``-1``) means no cap: the cache keeps what the engine
+    would keep.
     """
-    tokens = env_int("KVCACHED_MAX_CACHED_TOKENS", DEFAULT_MAX_CACHED_TOKENS)
+    tokens = env_setting("KVCACHED_MAX_CACHED_TOKENS", DEFAULT_MAX_CACHED_TOKENS)
     return None if tokens < 0 else tokens

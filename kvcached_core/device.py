@@ -19,9 +19,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvcached_core.env import shown
 from kvcached_core.errors import BackendUnavailableError, KVCachedConfigError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|hip)(?::(\d+))?$")
+#: The largest device index kvcached accepts (the drivers take a C ``int``).
+MAX_DEVICE_INDEX = (1 << 16) - 1
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,17 @@ def parse_device(device: Any) -> Device:
     """Resolve a device string (or ``torch.device``, or a bare GPU index).
 
     Raises:
-        KVCachedConfigError: the string is malformed or names an unknown device type.
+        KVCachedConfigError: the string is malformed, names an unknown device
+            type, or its index is outside ``0..MAX_DEVICE_INDEX``.
         BackendUnavailableError: the backend it needs is not compiled into this build.
     """
     if isinstance(device, bool):
         raise KVCachedConfigError(f"device {device!r} is not a device string")
     if isinstance(device, int):
+        if not 0 <= device <= MAX_DEVICE_INDEX:
+            raise KVCachedConfigError(
+                f"device {shown(str(device))}: GPU index outside 0..{MAX_DEVICE_INDEX}"
+            )
         text = f"cuda:{device}"
     else:
         text = str(device).strip().lower()
@@ -69,6 +77,11 @@ def parse_device(device: Any) -> Device:
             "(use 'cpu', 'cuda:N' or 'hip:N')"
         )
     kind, index_text = match.group(1), match.group(2)
+    if index_text is not None and (len(index_text) > 6 or int(index_text) > MAX_DEVICE_INDEX):
+        raise KVCachedConfigError(
+            f"device {shown(str(device), quote=True)}: index {shown(index_text)} is outside "
+            f"0..{MAX_DEVICE_INDEX}"
+        )
     index = int(index_text) if index_text is not None else 0
     if kind == "cpu":
         if index != 0:

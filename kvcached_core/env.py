@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -25,6 +26,7 @@ from kvcached_core.errors import KVCachedConfigError
 
 __all__ = [
     "KVCachedConfigError",
+    "shown",
     "env_bool",
     "env_int",
     "env_float",
@@ -33,8 +35,22 @@ __all__ = [
 
 _N = TypeVar("_N", int, float)
 
+_LONG_INT_RE = re.compile(r"^[+-]?\d+$")  # an integer, however long
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+
+
+#: Longest value text an error message quotes in full.
+_SHOWN_CHARS = 40
+
+
+def shown(text: str, quote: bool = False) -> str:
+    """``text`` for an error message: quoted with ``quote``, abbreviated when long."""
+    text = str(text)
+    if len(text) <= _SHOWN_CHARS:
+        return repr(text) if quote else text
+    head = text[:_SHOWN_CHARS]
+    return f"{head!r}... ({len(text)} characters)" if quote else f"{head}... ({len(text)} characters)"
 
 
 def _raw(name: str) -> str | None:
@@ -67,7 +83,7 @@ def env_bool(name: str, default: bool) -> bool:
     if lowered in _FALSE:
         return False
     raise KVCachedConfigError(
-        f"{name}={value!r} is not a boolean (use 1/0/true/false/yes/no/on/off)"
+        f"{name}={shown(value, quote=True)} is not a boolean (use 1/0/true/false/yes/no/on/off)"
     )
 
 
@@ -84,13 +100,19 @@ def _env_number(
         return default
     try:
         number = parse(value)
-    except ValueError:
-        raise KVCachedConfigError(f"{name}={value!r} is not {what}") from None
+    except (ValueError, OverflowError):
+        if _LONG_INT_RE.match(value) and (minimum is not None or maximum is not None):
+            # An integer too long for int(): out of range whichever the range is.
+            side = "below the minimum" if value.startswith("-") else "above the maximum"
+            bound = minimum if value.startswith("-") else maximum
+            raise KVCachedConfigError(f"{name}={shown(value)} is {side} {bound!r}") from None
+        raise KVCachedConfigError(f"{name}={shown(value, quote=True)} is not {what}") from None
     if minimum is not None and number < minimum:
-        raise KVCachedConfigError(f"{name}={number!r} is below the minimum {minimum!r}")
+        raise KVCachedConfigError(f"{name}={shown(value)} is below the minimum {minimum!r}")
     if maximum is not None and number > maximum:
-        raise KVCachedConfigError(f"{name}={number!r} is above the maximum {maximum!r}")
+        raise KVCachedConfigError(f"{name}={shown(value)} is above the maximum {maximum!r}")
     return number
+
 
 
 def _finite_float(text: str) -> float:

@@ -15,6 +15,7 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "BackendUnavailableError",
     "MappingError",
+    "ForkedProcessError",
 ]
 
 
@@ -58,6 +59,15 @@ class BackendUnavailableError(KVCachedError, RuntimeError):
 
 class MappingError(KVCachedError, ValueError):
     """A bad request to the page mapper: page size, page index, double map or unmap."""
+
+
+class ForkedProcessError(KVCachedError, RuntimeError):
+    """A page mapper or allocator was used in a process forked from the one that opened it.
+
+    Mappings, handles and device contexts belong to the process that created
+    them; a forked child must open its own mapper (and build its own
+    allocator). Not a ``MemoryError``: an allocator never mistakes it for "no space".
+    """
 
 
 class IPCError(KVCachedError, RuntimeError):

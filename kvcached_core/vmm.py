@@ -13,9 +13,12 @@ when the device has no memory left (the batch is rolled back first), and
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 from kvcached_core.device import Device, parse_device
+from kvcached_core.env import shown
+from kvcached_core.errors import KVCachedConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -29,10 +32,29 @@ def _native():
     return _native
 
 
+#: The largest page size a mapper accepts (a compound page spans every layer).
+MAX_PAGE_SIZE = 1 << 40
+
+
 def open_mapper(device: Any = "cpu", page_size: int = DEFAULT_PAGE_SIZE):
-    """A page mapper for one device (``kvcached_core._native.PageMapper``)."""
+    """A page mapper for one device (``kvcached_core._native.PageMapper``).
+
+    Raises:
+        KVCachedConfigError: ``device`` is not a device string, or ``page_size``
+            is not an integer in ``1..MAX_PAGE_SIZE``.
+        MappingError: ``page_size`` is not a multiple of the device's granularity.
+    """
+    try:
+        size = -1 if isinstance(page_size, bool) else operator.index(page_size)
+    except TypeError:
+        size = -1
+    if not 0 < size <= MAX_PAGE_SIZE:
+        raise KVCachedConfigError(
+            f"page_size={shown(repr(page_size))} is not a page size in bytes "
+            f"(an integer in 1..{MAX_PAGE_SIZE})"
+        )
     dev = parse_device(device)
-    return _native().PageMapper(dev.backend, dev.index, page_size)
+    return _native().PageMapper(dev.backend, dev.index, size)
 
 
 def mapper_device(mapper) -> Device:

@@ -61,16 +61,20 @@ Out of memory
 Running out of device memory is a scheduling miss: ``alloc_pages`` returns
 ``None`` with every page back where it was (a ``MemoryError`` from the backing,
 such as :class:`~kvcached_core.errors.DeviceOutOfMemoryError` or a worker's
-:class:`~kvcached_core.errors.WorkerOutOfMemoryError`). On GPU backings the
-pages the device can still back are read through the backing's
-``free_device_pages``, keeping ``1 - gpu_utilization`` of the device free;
-pooled handles count as available. Such a reading is a driver query (a
-millisecond or more, a round trip to each worker for remote backings), so it
-never runs on the caller's thread once the background thread exists: a caller
-that finds the reading older than ``mem_info_ttl_s`` uses it and asks the
-thread for a new one. Until it lands, the allocator's own maps and unmaps
-since the reading are accounted for; what other processes took shows at the
-next reading (a map that then fails is a scheduling miss, as below).
+:class:`~kvcached_core.errors.WorkerOutOfMemoryError`). The pages the device
+can still back are read through the backing's ``free_device_pages``, keeping
+``1 - gpu_utilization`` of the device free; pooled handles count as
+available. On the host backend the device is the memory this process may
+still commit: ``MemAvailable`` and the limits of its memory cgroups (v2
+``memory.max - memory.current``), so a CPU engine in a memory-limited
+container misses a schedule instead of being OOM-killed. Such a reading is a
+driver or system query (a millisecond or more on a GPU, a round trip to each
+worker for remote backings), so it never runs on the caller's thread once the
+background thread exists: a caller that finds the reading older than
+``mem_info_ttl_s`` uses it and asks the thread for a new one. Until it lands,
+the allocator's own maps and unmaps since the reading are accounted for; what
+other processes took shows at the next reading (a map that then fails is a
+scheduling miss, as below).
 
 The backing
 -----------
@@ -90,7 +94,7 @@ import or construction. :meth:`PageAllocator.close` stops and joins it; it
 also ends by itself once the allocator is garbage-collected. After ``fork()``
 the child has no thread and must not use the parent's allocator (GPU
 mappings do not survive fork either): every call there raises
-:class:`~kvcached_core.errors.KVCachedError` before touching the lock, which
+:class:`~kvcached_core.errors.ForkedProcessError` before touching the lock, which
 the parent's thread may have held at the fork. Create a new one in the child.
 """
 
@@ -109,8 +113,9 @@ from typing import Any
 
 from kvcached_core.allocator.fence import StepFence
 from kvcached_core.allocator.kv_tensors import KVTensors
-from kvcached_core.config import Settings, load_settings
+from kvcached_core.config import Settings, check_range, load_settings
 from kvcached_core.errors import (
+    ForkedProcessError,
     KVCachedConfigError,
     KVCachedError,
     MappingError,
@@ -214,7 +219,8 @@ class PageAllocator:
         idle_trim_s: Release the reserve after this long idle (0: never).
         idle_keep: Reserved pages the idle trim leaves mapped (at most ``max_reserved``).
         memory_limit: Cap on mapped bytes (``None``: no cap).
-        gpu_utilization: On GPUs, leave ``1 - x`` of device memory free.
+        gpu_utilization: Leave ``1 - x`` of device memory free (on the host: of
+            the memory this process may commit).
         sync_on_unmap: Wait for queued device work before unmapping.
         mem_info_ttl_s: How long a device free-memory reading stays valid.
         fence: Keep freed pages mapped until the engine's device work that may
@@ -260,10 +266,9 @@ class PageAllocator:
         if keep < 0:
             raise KVCachedConfigError(f"idle_keep={keep} must be >= 0")
         util = s.gpu_utilization if gpu_utilization is None else gpu_utilization
-        if trim_s < 0 or not 0 < util <= 1:
-            raise KVCachedConfigError(
-                f"idle_trim_s={trim_s} must be >= 0 and gpu_utilization={util} in (0, 1]"
-            )
+        check_range("idle_trim_s", trim_s, "KVCACHED_IDLE_TRIM_S")  # a wait beyond it overflows
+        if not 0 < util <= 1:
+            raise KVCachedConfigError(f"gpu_utilization={util} must be in (0, 1]")
         self._kv = kv_tensors
         self._num_pages = n
         self._page_bytes = kv_tensors.page_bytes
@@ -294,10 +299,9 @@ class PageAllocator:
         #: Bumped on every memory-limit change (lets callers cache available_pages()).
         self.limit_changes = 0
 
-        self._gpu = kv_tensors.device.is_gpu
         self._headroom = util
         self._mem_ttl = mem_info_ttl_s
-        self._phys_pages: int | None = None  # GPU only: pages the device can still back
+        self._phys_pages: int | None = None  # pages the device (or host) can still back
         self._phys_at = float("-inf")
         self._phys_wanted = False  # a caller found the reading stale: the thread re-reads
 
@@ -654,7 +658,7 @@ class PageAllocator:
 
     def _check_owner(self) -> None:
         if os.getpid() != self._pid:
-            raise KVCachedError(
+            raise ForkedProcessError(
                 f"this PageAllocator belongs to process {self._pid}; process {os.getpid()} "
                 "is a fork of it and must create its own"
             )
@@ -811,12 +815,12 @@ class PageAllocator:
             _log.exception("kvcached: releasing pooled page handles failed")
 
     def _refresh_phys(self) -> None:
-        """Keep the reading of what the device can still back fresh (GPUs only).
+        """Keep the reading of what the device can still back fresh.
 
         A stale reading is re-read by the background thread; only the first
         one, and every one when there is no thread, is read on this thread.
         """
-        if not self._gpu or time.monotonic() - self._phys_at < self._mem_ttl:
+        if time.monotonic() - self._phys_at < self._mem_ttl:
             return
         thread = self._thread
         if (thread is not None and self._phys_pages is not None

@@ -10,7 +10,7 @@
 
 A :class:`WorkerGroup` keeps one persistent connection per worker, opened on
 first use (retrying until ``KVCACHED_IPC_CONNECT_TIMEOUT_S``, since workers may
-start after the scheduler) and checked by a handshake in which each worker
+start after the scheduler, and a busy worker's listen backlog may be full) and checked by a handshake in which each worker
 states its rank and pipeline stage. A call encodes its request once, sends it
 to every worker, and only then collects the replies, so the workers apply it
 in parallel. The whole call is bounded by ``KVCACHED_IPC_TIMEOUT_S``.
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcached_core.env import env_float
+from kvcached_core.config import DEFAULT_IPC_TIMEOUT_S, check_range, env_setting
 from kvcached_core.errors import IPCError, ProtocolError, WorkerError, WorkerOutOfMemoryError
 from kvcached_core.ipc import paths
 from kvcached_core.ipc.protocol import Message, MsgType, Status, encode_request, read_message
@@ -49,7 +49,7 @@ from kvcached_core.ipc.worker import _trusted, peer_credentials
 __all__ = ["DEFAULT_TIMEOUT_S", "Endpoint", "MapBroadcaster", "WorkerGroup",
            "namespace_endpoints"]
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = DEFAULT_IPC_TIMEOUT_S
 _MIN_HANDSHAKE_S = 1.0
 _GRACE_S = 0.001
 
@@ -149,13 +149,14 @@ class WorkerGroup:
         for e in eps:
             paths.check_socket_path(e.path)
         self._endpoints: tuple[Endpoint, ...] = tuple(eps)
-        self.timeout = (
-            timeout if timeout is not None
-            else env_float("KVCACHED_IPC_TIMEOUT_S", DEFAULT_TIMEOUT_S, minimum=0.001)
+        self.timeout = float(
+            env_setting("KVCACHED_IPC_TIMEOUT_S", DEFAULT_TIMEOUT_S) if timeout is None
+            else check_range("timeout", timeout, "KVCACHED_IPC_TIMEOUT_S")
         )
-        self.connect_timeout = (
-            connect_timeout if connect_timeout is not None
-            else env_float("KVCACHED_IPC_CONNECT_TIMEOUT_S", DEFAULT_TIMEOUT_S, minimum=0.0)
+        self.connect_timeout = float(
+            env_setting("KVCACHED_IPC_CONNECT_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+            if connect_timeout is None
+            else check_range("connect_timeout", connect_timeout, "KVCACHED_IPC_CONNECT_TIMEOUT_S")
         )
         self._lock = threading.Lock()
         self._conns: list[_Conn] = []
@@ -324,13 +325,16 @@ class WorkerGroup:
             try:
                 sock.connect(ep.path)
                 break
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+            except (FileNotFoundError, ConnectionRefusedError, BlockingIOError) as exc:
+                # Not listening yet, or (EAGAIN) listening with a full backlog: both pass.
                 sock.close()
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    what = ("the worker's listen backlog stayed full"
+                            if isinstance(exc, BlockingIOError) else "no worker listening")
                     raise WorkerError(
                         ep.rank, ep.path,
-                        f"no worker listening after {self.connect_timeout:g} s "
+                        f"{what} after {self.connect_timeout:g} s "
                         f"(KVCACHED_IPC_CONNECT_TIMEOUT_S): {exc.strerror}",
                         pp_stage=ep.pp_stage,
                     ) from None

@@ -52,40 +52,52 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-def check_private_dir(path: Path) -> Path:
+def _label(path: Path, setting: str | None) -> str:
+    """How an error names a directory: by the variable that chose it, if any."""
+    return f"{setting}={path}: the directory" if setting else f"IPC directory {path}"
+
+
+def check_private_dir(path: Path, setting: str | None = None) -> Path:
     """Check that ``path`` is a directory only this user can enter.
+
+    Args:
+        path: The directory.
+        setting: The environment variable that named it, if any; errors name it.
 
     Raises:
         IPCError: ``path`` is a symbolic link or not a directory, belongs to
             another user, or grants any permission to group or others.
     """
+    label = _label(path, setting)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise IPCError(f"IPC directory {path} does not exist") from None
+        raise IPCError(f"{label} does not exist") from None
     if stat.S_ISLNK(st.st_mode):
-        raise IPCError(f"IPC directory {path} is a symbolic link; refusing to use it")
+        raise IPCError(f"{label} is a symbolic link; refusing to use it")
     if not stat.S_ISDIR(st.st_mode):
-        raise IPCError(f"IPC directory {path} is not a directory")
+        raise IPCError(f"{label} is not a directory")
     uid = os.getuid()
     if st.st_uid != uid:
         raise IPCError(
-            f"IPC directory {path} belongs to uid {st.st_uid}, not to this user (uid {uid}); "
-            "refusing to use it (set KVCACHED_IPC_DIR to a directory of your own)"
+            f"{label} belongs to uid {st.st_uid}, not to this user (uid {uid}); "
+            f"refusing to use it (set {setting or 'KVCACHED_IPC_DIR'} to a directory of your own)"
         )
     if st.st_mode & 0o077:
         raise IPCError(
-            f"IPC directory {path} has mode {stat.S_IMODE(st.st_mode):04o}; it must not be "
+            f"{label} has mode {stat.S_IMODE(st.st_mode):04o}; it must not be "
             f"accessible to group or others (fix with: chmod 700 {path})"
         )
     return path
 
 
-def private_dir(path: str | os.PathLike[str]) -> Path:
+def private_dir(path: str | os.PathLike[str], setting: str | None = None) -> Path:
     """Create ``path`` (and missing parents) with mode 0700 if needed, then check ``path``.
 
     An existing directory is never loosened or tightened: if its permissions
     are wrong it is refused, since someone else may already have used it.
+    ``setting`` is the environment variable that named ``path``, if any:
+    errors name it.
     """
     path = Path(path)
     missing = []
@@ -99,15 +111,17 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise IPCError(f"cannot create IPC directory {p}: {exc.strerror or exc}") from exc
-    return check_private_dir(path)
+            what = f"{setting}={path}: cannot create directory" if setting else (
+                "cannot create IPC directory")
+            raise IPCError(f"{what} {p}: {exc.strerror or exc}") from exc
+    return check_private_dir(path, setting)
 
 
 def base_dir() -> Path:
     """The checked base directory of kvcached's sockets (see the module doc)."""
     explicit = os.environ.get("KVCACHED_IPC_DIR", "").strip()
     if explicit:
-        return private_dir(os.path.abspath(explicit))
+        return private_dir(os.path.abspath(explicit), "KVCACHED_IPC_DIR")
     runtime = os.environ.get("XDG_RUNTIME_DIR", "").strip()
     if runtime and os.path.isdir(runtime):
         return private_dir(os.path.join(runtime, "kvcached"))

@@ -261,16 +261,20 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     return _message(header, memoryview(data)[HEADER_SIZE:])
 
 
+#: Bytes one ``recv`` asks for: the buffer grows as data arrives, not by what a header announces.
+_RECV_CHUNK = 1 << 20
+
+
 def _recv_exact(sock: socket.socket, size: int, what: str) -> bytes:
     """Read exactly ``size`` bytes; ``EOFError`` if the peer closed before the first byte."""
-    data = sock.recv(size)
+    data = sock.recv(min(size, _RECV_CHUNK))
     if len(data) == size:
         return data
     if not data:
         raise EOFError("the peer closed the connection")
     buf = bytearray(data)
     while len(buf) < size:
-        chunk = sock.recv(size - len(buf))
+        chunk = sock.recv(min(size - len(buf), _RECV_CHUNK))
         if not chunk:
             raise ProtocolError(
                 f"truncated frame: the peer closed the connection after {len(buf)} of the "

@@ -47,7 +47,9 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcached_core.errors import IPCError
+from kvcached_core.config import MAX_SIZE
+from kvcached_core.env import shown
+from kvcached_core.errors import IPCError, KVCachedConfigError
 from kvcached_core.ipc import paths
 
 __all__ = [
@@ -82,7 +84,7 @@ def shm_dir() -> Path:
     """Where segments live: ``$KVCACHED_SHM_DIR``, ``/dev/shm``, or the IPC base directory."""
     explicit = os.environ.get("KVCACHED_SHM_DIR", "").strip()
     if explicit:
-        return paths.private_dir(os.path.abspath(explicit))
+        return paths.private_dir(os.path.abspath(explicit), "KVCACHED_SHM_DIR")
     if os.path.isdir("/dev/shm"):
         return Path("/dev/shm")
     return paths.base_dir()
@@ -219,10 +221,16 @@ class PoolView:
         """Set the pool's limit (bytes, or :data:`NO_LIMIT`); the owner picks it up.
 
         Raises:
-            ValueError: ``limit`` is negative (other than :data:`NO_LIMIT`).
+            KVCachedConfigError: ``limit`` is negative (other than
+                :data:`NO_LIMIT`) or above :data:`~kvcached_core.config.MAX_SIZE`
+                (the segment holds a signed 64-bit word).
         """
         if limit < 0 and limit != NO_LIMIT:
-            raise ValueError(f"limit {limit} is negative; use NO_LIMIT (-1) to lift the limit")
+            raise KVCachedConfigError(
+                f"limit {limit} is negative; use NO_LIMIT (-1) to lift the limit")
+        if limit > MAX_SIZE:
+            raise KVCachedConfigError(
+                f"limit {shown(str(limit))} is above the maximum {MAX_SIZE} bytes (1 EiB)")
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             self._w[_LIMIT] = limit

@@ -4,7 +4,7 @@ SGLang's radix cache keeps every finished request's KV until memory pressure
 evicts it, so with an elastic pool the mapped memory would stay at its peak
 after a burst. When the scheduler is idle (the same moments SGLang runs its
 idle leak check, where :mod:`kvcached_sglang.patches` already hooks in), the
-cached tokens beyond ``KVCACHED_MAX_CACHED_TOKENS`` (default 8192, negative:
+cached tokens beyond ``KVCACHED_MAX_CACHED_TOKENS`` (default 8192, ``-1``:
 no cap) are evicted through the cache's own ``evict`` (least recently used
 leaves first). The freed slots go back to kvcached, whose emptied pages are
 unmapped after the idle trim. The hot prefixes (the most recent) stay cached.

@@ -118,3 +118,25 @@ def test_sizes_parse():
     assert parse_size("2G") == 2 << 30
     assert parse_size("1.5GiB") == 3 << 29
     assert parse_size("4096") == 4096
+
+
+@pytest.mark.parametrize("device", ["cuda:2147483648", "cuda:" + "9" * 40, "hip:4294967296"])
+def test_device_index_beyond_the_range_is_a_config_error(device):
+    with pytest.raises(KVCachedConfigError, match=r"device .* index .* outside 0\.\."):
+        parse_device(device)
+    with pytest.raises(KVCachedConfigError, match="index"):
+        open_mapper(device, PAGE)
+
+
+def test_bare_gpu_index_beyond_the_range_is_a_config_error():
+    with pytest.raises(KVCachedConfigError, match="index"):
+        parse_device(1 << 40)
+    with pytest.raises(KVCachedConfigError, match="index"):
+        parse_device(-1)
+
+
+@pytest.mark.parametrize("size", [1 << 64, 1 << 70, -PAGE, 0, 2.5, "2M"])
+def test_page_size_beyond_the_range_is_a_config_error(size):
+    with pytest.raises(KVCachedConfigError, match="page_size"):
+        open_mapper("cpu", size)
+

@@ -115,3 +115,31 @@ def test_listener_replaces_stale_socket_but_not_a_live_one_or_a_file(ipc_base):
     path.write_text("not a socket")
     with pytest.raises(IPCError, match="not a socket"):
         WorkerListener(path, lambda *a: None, rank=0).start()
+
+
+def test_unsafe_ipc_dir_error_names_the_variable(ipc_base, monkeypatch):
+    loose = ipc_base / "loose-ipc"
+    loose.mkdir()
+    os.chmod(loose, 0o755)
+    monkeypatch.setenv("KVCACHED_IPC_DIR", str(loose))
+    with pytest.raises(IPCError, match=rf"KVCACHED_IPC_DIR={loose}: .*mode 0755"):
+        paths.base_dir()
+    monkeypatch.setenv("KVCACHED_IPC_DIR", str(loose / "sub"))  # a missing child is fine: 0700
+    assert paths.base_dir() == loose / "sub"
+
+
+def test_unsafe_shm_dir_error_names_the_variable(ipc_base, monkeypatch):
+    from kvcached_core.ipc import shm
+
+    loose = ipc_base / "loose-shm"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(loose))
+    with pytest.raises(IPCError) as err:
+        shm.shm_dir()
+    assert f"KVCACHED_SHM_DIR={loose}" in str(err.value) and "IPC" not in str(err.value)
+    link = ipc_base / "shm-link"
+    link.symlink_to(ipc_base)
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(link))
+    with pytest.raises(IPCError, match=r"KVCACHED_SHM_DIR=.*symbolic link"):
+        shm.shm_dir()

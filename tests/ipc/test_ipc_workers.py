@@ -317,3 +317,64 @@ def test_worker_errors_survive_pickling():
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is WorkerOutOfMemoryError and str(back) == str(err)
     assert (back.rank, back.pp_stage, back.path, back.succeeded) == (2, 1, "/x.sock", ((0, 1),))
+
+
+def test_connect_retries_while_the_listen_backlog_is_full(ipc_base):
+    path = os.fspath(ipc_base / "busy.sock")
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    busy.bind(path)
+    busy.listen(0)  # accepts nothing: the queue fills at once
+    fillers = []
+    for _ in range(4):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            break
+        fillers.append(s)
+    listeners: list = []
+
+    def worker_starts_answering() -> None:
+        busy.close()
+        for s in fillers:
+            s.close()
+        os.unlink(path)
+        listeners.append(_recording_listener(path, 0))
+
+    group = WorkerGroup([path], timeout=5, connect_timeout=5)
+    timer = threading.Timer(0.4, worker_starts_answering)
+    timer.start()
+    try:
+        group.ping()  # EAGAIN while the backlog is full: retried, not an error
+    finally:
+        timer.join()
+        group.close()
+        for listener in listeners:
+            listener.close()
+
+
+def test_a_full_backlog_until_the_connect_timeout_names_it(ipc_base):
+    path = os.fspath(ipc_base / "full.sock")
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    busy.bind(path)
+    busy.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            fillers.append(s)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                break
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"after 0.3 s \(KVCACHED_IPC_CONNECT_TIMEOUT_S\)"):
+            WorkerGroup([path], connect_timeout=0.3).connect()
+        assert 0.25 < time.monotonic() - t0 < 2.0
+    finally:
+        busy.close()
+        for s in fillers:
+            s.close()

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvcached_core.ipc.shm import PoolSegment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,3 +47,27 @@ def test_limit_errors_name_the_value(tmp_path):
     assert bad_size.returncode == 2 and "SIZE='lots' is not a size" in bad_size.stderr
     missing = kvctl("limit", "no-such-engine", "kv0", "1G", shm_dir=tmp_path)
     assert missing.returncode == 2 and "no-such-engine" in missing.stderr
+
+
+def test_limit_beyond_the_range_is_an_error_not_a_traceback(tmp_path):
+    seg = PoolSegment.create("engine-b", "kv0", capacity=8 << 30, directory=tmp_path)
+    try:
+        for size in ("100000000000T", "1" * 400, "1" * 400 + "G"):
+            done = kvctl("limit", "engine-b", "kv0", size, shm_dir=tmp_path)
+            assert done.returncode == 2, done.stderr
+            assert "Traceback" not in done.stderr and "SIZE=" in done.stderr, done.stderr
+        assert seg.poll_limit() is None  # nothing was written
+    finally:
+        seg.close()
+
+
+def test_set_limit_refuses_values_beyond_int64(tmp_path):
+    from kvcached_core.errors import KVCachedConfigError
+    from kvcached_core.ipc.shm import set_limit
+
+    seg = PoolSegment.create("engine-c", "kv0", capacity=8 << 30, directory=tmp_path)
+    try:
+        with pytest.raises(KVCachedConfigError, match="limit"):
+            set_limit("engine-c", "kv0", 1 << 70, directory=tmp_path)
+    finally:
+        seg.close()

@@ -163,3 +163,34 @@ def test_requests_are_answered_while_python_holds_the_gil(served):
     # returns: right after it, before this thread reads the clock again, hence the margin).
     assert held_from < answered < held_until - 1.0, (held_from, answered, held_until)
     assert mapped(served, 4) == [True, True, True]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_headers_announcing_huge_payloads_cost_no_memory_until_it_arrives(served):
+    from kvcached_core.ipc.protocol import HEADER, MAGIC, MAX_COUNT, VERSION, MsgType
+
+    header = HEADER.pack(MAGIC, VERSION, int(MsgType.MAP), 0, 1, 0, MAX_COUNT, 0)
+    before = _rss()
+    conns = []
+    try:
+        for _ in range(8):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(served.path)
+            s.sendall(header)  # 128 MiB announced, none sent
+            conns.append(s)
+        time.sleep(1.0)  # the server threads read the headers and wait for payloads
+        grown = _rss() - before
+        assert grown < 64 << 20, f"the worker grew by {grown >> 20} MiB for 8 bare headers"
+        conns[0].sendall(b"\0" * (1 << 20))  # a part of the payload costs about its size
+        time.sleep(0.3)
+        assert _rss() - before < 96 << 20
+    finally:
+        for s in conns:
+            s.close()
+    with WorkerGroup([served.path], timeout=10, connect_timeout=10) as group:
+        group.map(0, [2])  # and the server carries on
+        assert group.query(0) == [[2]]
