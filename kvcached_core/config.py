@@ -12,6 +12,8 @@ KVCACHED_IDLE_TRIM_S          5        trim the reserve after this long idle (0:
 KVCACHED_IDLE_KEEP_PAGES      0        reserved pages the idle trim leaves mapped
 KVCACHED_MEMORY_LIMIT         none     cap on mapped KV bytes per pool (e.g. 2G, 512M)
 KVCACHED_GPU_UTILIZATION      0.95     leave (1-x) of device memory free when mapping
+KVCACHED_DEVICE_BUDGET        none     KV bytes all engines of this user may map on a
+                                       device together (2G, 40%); see ipc.budget
 ============================  =======  =========================================
 """
 
@@ -37,6 +39,50 @@ def parse_size(text: str, name: str = "size") -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+_PERCENT_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*%\s*$")
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """A size given in bytes or as a share of a device (``512M``, ``2G``, ``40%``)."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    def resolve(self, total: int) -> int:
+        """Bytes, taking a percentage of ``total`` (the device's size).
+
+        Raises:
+            KVCachedConfigError: A percentage and the device's size is unknown.
+        """
+        if self.nbytes is not None:
+            return self.nbytes
+        if total <= 0:
+            raise KVCachedConfigError(
+                f"{self} is a share of the device, but the device's size is unknown; give bytes")
+        return int(total * (self.fraction or 0.0))
+
+    def __str__(self) -> str:
+        return f"{self.nbytes} bytes" if self.nbytes is not None else f"{(self.fraction or 0) * 100:g}%"
+
+
+def parse_size_spec(text: str, name: str = "size") -> SizeSpec:
+    """Parse ``512M``, ``2G``, ``1048576`` or a percentage of the device ``0``..``100%``.
+
+    Raises:
+        KVCachedConfigError: Not a size, or a percentage outside 0..100.
+    """
+    match = _PERCENT_RE.match(str(text))
+    if match is not None:
+        pct = float(match.group(1))
+        if not 0 <= pct <= 100:
+            raise KVCachedConfigError(f"{name}={text!r}: a percentage must be within 0..100%")
+        return SizeSpec(fraction=pct / 100)
+    if str(text).strip().startswith("-"):
+        raise KVCachedConfigError(f"{name}={text!r} is negative; sizes are >= 0")
+    return SizeSpec(nbytes=parse_size(text, name))
+
+
 @dataclass(frozen=True)
 class Settings:
     page_size: int
@@ -48,6 +94,7 @@ class Settings:
     memory_limit: int | None
     gpu_utilization: float
     idle_keep_pages: int = 0
+    device_budget: SizeSpec | None = None
 
 
 #: Built-in defaults of :func:`load_settings` (an engine adapter may pass its own).
@@ -78,6 +125,7 @@ def load_settings(**defaults: float) -> Settings:
             f"KVCACHED_MAX_RESERVED_PAGES={max_res} is below KVCACHED_MIN_RESERVED_PAGES={min_res}"
         )
     limit_text = os.environ.get("KVCACHED_MEMORY_LIMIT", "").strip()
+    budget_text = os.environ.get("KVCACHED_DEVICE_BUDGET", "").strip()
     return Settings(
         page_size=page_mb * MiB,
         contiguous_layout=env_bool("KVCACHED_CONTIGUOUS_LAYOUT", False) if layout else None,
@@ -90,6 +138,8 @@ def load_settings(**defaults: float) -> Settings:
                                   minimum=0.05, maximum=1.0),
         idle_keep_pages=env_int("KVCACHED_IDLE_KEEP_PAGES", int(d["idle_keep_pages"]),
                                 minimum=0),
+        device_budget=(parse_size_spec(budget_text, "KVCACHED_DEVICE_BUDGET")
+                       if budget_text and budget_text.lower() != "none" else None),
     )
 
 
