@@ -421,8 +421,8 @@ def open_pool(
     """Open an existing pool's segment (raises :class:`IPCError` if there is none)."""
     path = segment_path(namespace, pool, directory)
     if not os.path.lexists(path):
-        raise IPCError(f"no pool {pool} in namespace {namespace} (kvctl list shows the live "
-                       "pools)")
+        raise IPCError(f"cannot open segment {path}: no pool {pool} in namespace {namespace} "
+                       "(kvctl list shows the live pools)")
     return PoolView(path)
 
 
