@@ -209,6 +209,35 @@ class ElasticBlockPool(BlockPool):
         self._release_evictable(victims)
         return len(victims)
 
+    def give_back_pages(self, n: int) -> int:
+        """Evict the cached blocks of up to ``n`` pages that hold nothing else (LRU first).
+
+        The hook kvcached calls when the device budget asks for memory or a
+        lower limit arrives: only whole pages free memory, so partly used pages
+        keep their cached blocks. Returns the pages freed. Call it with the
+        scheduler's lock held (the pool is not thread-safe).
+        """
+        queue = self.free_block_queue
+        if n <= 0 or not queue.num_free_blocks:
+            return 0
+        kv = self.kv_block_manager
+        by_page: dict[int, list[Any]] = {}
+        for block in queue.get_all_free_blocks():  # LRU order
+            by_page.setdefault(kv.page_of(block.block_id), []).append(block)
+        victims: list[Any] = []
+        pages = 0
+        for page, group in by_page.items():
+            if pages >= n:
+                break
+            if len(group) == kv.page_occupancy(page):
+                victims += group
+                pages += 1
+        if victims:
+            self._release_evictable(victims)
+            log.debug("kvcached: evicted %d cached blocks (%d pages) to give memory back",
+                      len(victims), pages)
+        return pages
+
     def _release_evictable(self, victims: list[Any]) -> None:
         queue = self.free_block_queue
         for block in victims:
