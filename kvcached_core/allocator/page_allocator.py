@@ -77,8 +77,9 @@ Device budget, giveback, live limits
 With a ``budget`` (a :class:`~kvcached_core.ipc.budget.BudgetSlot`: this pool's
 share of a budget every pool on the device draws from) fresh pages are claimed
 in the budget before they are mapped and released after they are unmapped; a
-claim the budget refuses is a scheduling miss, like out of memory, and asks the
-other pools for memory. Every allocator with a budget watches for such asks
+claim the budget refuses asks the other pools for memory and, while they hold
+enough, waits up to :data:`BUDGET_WAIT_S` for them to give it; then it is a
+scheduling miss, like out of memory. Every allocator with a budget watches for such asks
 from its background thread (every :data:`CONTROL_POLL_S` seconds, a memory
 read) and gives back, cheapest first, until the budget has room for what was
 asked: its reserve and the backing's pooled handles, then whole pages of
@@ -134,7 +135,8 @@ from kvcached_core.errors import (
     MappingError,
 )
 
-__all__ = ["CONTROL_POLL_S", "DEMAND_WINDOW_S", "REFILL_BATCH", "PageAllocator", "PageStats"]
+__all__ = ["BUDGET_WAIT_S", "CONTROL_POLL_S", "DEMAND_WINDOW_S", "GIVEBACK_FACTOR",
+           "REFILL_BATCH", "PageAllocator", "PageStats"]
 
 #: Pages one background refill maps in one backing call (the reserve grows in
 #: such batches, so an allocation that needs a fresh map waits for at most one).
@@ -143,6 +145,13 @@ REFILL_BATCH = 4
 DEMAND_WINDOW_S = 0.2
 #: How often the background thread looks at the budget's asks and the limit source.
 CONTROL_POLL_S = 0.025
+#: How long an allocation that missed for budget waits for other pools to give back
+#: (only while they hold enough): a running request's next block then arrives a
+#: little late instead of the engine preempting it.
+BUDGET_WAIT_S = 0.1
+#: A giveback makes room for this many times what was asked (the asking pool's
+#: next steps want about as much again).
+GIVEBACK_FACTOR = 2
 
 _log = logging.getLogger(__name__)
 
@@ -245,6 +254,8 @@ class PageAllocator:
             (default: on GPU backings).
         budget: This pool's slot in the device's shared budget (see the
             module docs), or ``None``.
+        budget_wait_s: How long an allocation the budget refuses waits for
+            other pools to give back (default :data:`BUDGET_WAIT_S`; 0: a miss at once).
 
     Raises:
         KVCachedConfigError: A setting is out of range.
@@ -268,6 +279,7 @@ class PageAllocator:
         fence: StepFence | None = None,
         follow_demand: bool | None = None,
         budget: Any = None,
+        budget_wait_s: float | None = None,
     ) -> None:
         s = settings if settings is not None else load_settings()
         total = kv_tensors.num_pages
@@ -335,6 +347,7 @@ class PageAllocator:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._budget = budget
+        self._budget_wait_s = BUDGET_WAIT_S if budget_wait_s is None else float(budget_wait_s)
         self._limit_source: Any = None
         self._evictor: Callable[[int], int] | None = None
         self._next_poll = 0.0
@@ -789,7 +802,8 @@ class PageAllocator:
         if budget is not None:
             nbytes = len(fresh) * self._page_bytes
             try:
-                ok = budget.claim(nbytes, pressure=not prefetch)
+                ok = (budget.claim(nbytes, pressure=False) if prefetch
+                      else budget.claim_waiting(nbytes, self._budget_wait_s))
             except Exception:  # a broken record must not stop the engine
                 _log.exception("kvcached: claiming %d bytes in the device budget failed", nbytes)
                 ok, nbytes = True, 0
@@ -1067,6 +1081,7 @@ class PageAllocator:
         budget = self._budget
         start = time.monotonic()
         _gen, wanted, slot, raised_ns = budget.pressure()
+        wanted *= GIVEBACK_FACTOR
         before = self.num_mapped
         if slot != budget.slot and budget.room() < wanted:
             self._drop_reserve()

@@ -449,6 +449,26 @@ class BudgetSlot:
                 w[self._base + _S_ANSWERED] = w[_P_GEN]  # never answer one's own
             return False
 
+    def claim_waiting(self, nbytes: int, timeout: float) -> bool:
+        """:meth:`claim`; on a miss while other pools hold memory, retry until they gave
+        enough back or ``timeout`` passed (the ask went out with the first try)."""
+        if self.claim(nbytes):
+            return True
+        if timeout <= 0 or self.others_mapped() < nbytes:
+            return False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.002)
+            if self.claim(nbytes, pressure=False):
+                return True
+        return False
+
+    def others_mapped(self) -> int:
+        """Bytes the other live slots have mapped (what giveback could yield at most)."""
+        rec = self.record
+        with rec.locked() as w:
+            return rec._sum_locked(w, reclaim=True) - w[self._base + _S_MAPPED]
+
     def release(self, nbytes: int) -> None:
         """Count ``nbytes`` fewer as mapped (after unmapping them)."""
         if nbytes <= 0:

@@ -69,36 +69,36 @@ def test_a_miss_for_budget_is_a_miss_and_nothing_leaks(make_stack, record):
 
 
 def test_giveback_goes_reserve_first_then_cached_pages_never_used_ones(make_stack, record):
-    record.set_capacity(8 * PAGE_BYTES)
+    record.set_capacity(10 * PAGE_BYTES)
     a = make_stack(block_bytes=None, max_reserved=4, budget=record.join("a/kv0")).pages
-    b = make_stack(block_bytes=None, budget=record.join("b/kv0")).pages
+    b = make_stack(block_bytes=None, budget=record.join("b/kv0"), budget_wait_s=0).pages
     cache = FakeCache(a)
     a.set_evictor(cache.evict)
     used = a.alloc_pages(2)
     cache.cached = a.alloc_pages(2)
-    a.free_pages(a.alloc_pages(2))  # two reserved pages: A maps 6 of 8
-    assert a.stats().mapped == 6 and a.num_reserved == 2
+    a.free_pages(a.alloc_pages(4))  # four reserved pages: A maps 8 of 10
+    assert a.stats().mapped == 8 and a.num_reserved == 4
 
-    assert b.alloc_pages(3) is None  # room 2: a miss that asks A
+    assert b.alloc_pages(3) is None  # room 2: a miss that asks A (for twice as much)
     wait_until(lambda: a.num_reserved == 0)
     assert cache.calls == []  # the reserve was enough: the cache is untouched
     assert b.alloc_pages(3) is not None  # B's retry (its next step)
 
-    assert b.alloc_pages(2) is None  # room 1: A has nothing reserved, so the cache goes
-    wait_until(lambda: len(cache.cached) < 2)
-    assert cache.calls[0] == (1, 0)
-    assert b.alloc_pages(2) is not None
-    assert a.num_in_use == len(used) + len(cache.cached)  # used pages stayed
+    assert b.alloc_pages(4) is None  # room 3: A has nothing reserved, so the cache goes
+    wait_until(lambda: not cache.cached)
+    assert cache.calls[0] == (5, 0)  # 2 x 4 pages wanted, 3 there: 5 more, reserve empty
+    assert b.alloc_pages(4) is not None
+    assert a.num_in_use == len(used)  # used pages stayed
     assert all(a.page_state(p) == "in use" for p in used)
     reading = record.read()
     assert reading.mapped <= reading.capacity
     mine = {s.name: s for s in reading.slots}
-    assert mine["a/kv0"].givebacks == 2 and mine["a/kv0"].given_bytes == 3 * PAGE_BYTES
+    assert mine["a/kv0"].givebacks == 2 and mine["a/kv0"].given_bytes == 6 * PAGE_BYTES
     assert mine["b/kv0"].misses == 2
     assert mine["a/kv0"].max_giveback_ns < 200e6
 
 
-def test_giveback_of_an_idle_pool_lands_within_200ms(make_stack, record):
+def test_a_miss_waits_for_an_idle_pools_giveback_within_200ms(make_stack, record):
     record.set_capacity(12 * PAGE_BYTES)
     a = make_stack(block_bytes=None, budget=record.join("a/kv0")).pages
     b = make_stack(block_bytes=None, budget=record.join("b/kv0")).pages
@@ -107,10 +107,11 @@ def test_giveback_of_an_idle_pool_lands_within_200ms(make_stack, record):
     cache.cached = a.alloc_pages(10)
     time.sleep(0.1)  # A idles
     start = time.monotonic()
-    assert b.alloc_pages(8) is None
-    wait_until(lambda: b.alloc_pages(8) is not None, timeout=1.0)
+    assert b.alloc_pages(8) is not None  # waited for A instead of missing
     assert time.monotonic() - start < 0.2
-    assert len(cache.cached) <= 4
+    assert len(cache.cached) <= 4 and record.read().mapped <= 12 * PAGE_BYTES
+    assert b.alloc_pages(8) is None  # A has nothing left to give: a miss, no long wait
+    assert time.monotonic() - start < 0.4
 
 
 def test_live_limit_reaches_an_idle_pool_and_raising_restores_growth(
