@@ -33,7 +33,8 @@ Layout (native byte order, int64 words)::
     bytes 128..191              device key, NUL padded
     from byte 256: MAX_SLOTS slots of 192 bytes:
       word 0 pid (0: free)   1 process start time   2 mapped bytes   3 heartbeat_ns
-      word 4 failed claims   5 bytes given back     6 givebacks      7 last giveback latency ns
+      word 4 failed claims (a waiting retry counts too)
+      word 5 bytes given back   6 givebacks   7 last giveback latency ns
       word 8 max giveback latency ns                9 pressure gen last answered
       bytes 128..191 "namespace/pool", NUL padded
 

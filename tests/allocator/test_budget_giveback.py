@@ -90,10 +90,12 @@ def test_giveback_goes_reserve_first_then_cached_pages_never_used_ones(make_stac
     assert b.alloc_pages(4) is not None
     assert a.num_in_use == len(used)  # used pages stayed
     assert all(a.page_state(p) == "in use" for p in used)
+    # A records its answer after the pages are free, which B may see first.
+    wait_until(lambda: {s.name: s for s in record.read().slots}["a/kv0"].givebacks == 2)
     reading = record.read()
     assert reading.mapped <= reading.capacity
     mine = {s.name: s for s in reading.slots}
-    assert mine["a/kv0"].givebacks == 2 and mine["a/kv0"].given_bytes == 6 * PAGE_BYTES
+    assert mine["a/kv0"].given_bytes == 6 * PAGE_BYTES
     assert mine["b/kv0"].misses == 2
     assert mine["a/kv0"].max_giveback_ns < 200e6
 
