@@ -79,19 +79,22 @@ def test_giveback_goes_reserve_first_then_cached_pages_never_used_ones(make_stac
     a.free_pages(a.alloc_pages(4))  # four reserved pages: A maps 8 of 10
     assert a.stats().mapped == 8 and a.num_reserved == 4
 
+    def gave(n):  # A answered n asks (after unmapping and releasing its pages)
+        return {s.name: s for s in record.read().slots}["a/kv0"].givebacks == n
+
     assert b.alloc_pages(3) is None  # room 2: a miss that asks A (for twice as much)
-    wait_until(lambda: a.num_reserved == 0)
+    wait_until(lambda: gave(1))
+    assert a.num_reserved == 0
     assert cache.calls == []  # the reserve was enough: the cache is untouched
     assert b.alloc_pages(3) is not None  # B's retry (its next step)
 
     assert b.alloc_pages(4) is None  # room 3: A has nothing reserved, so the cache goes
-    wait_until(lambda: not cache.cached)
+    wait_until(lambda: gave(2))
+    assert not cache.cached
     assert cache.calls[0] == (5, 0)  # 2 x 4 pages wanted, 3 there: 5 more, reserve empty
     assert b.alloc_pages(4) is not None
     assert a.num_in_use == len(used)  # used pages stayed
     assert all(a.page_state(p) == "in use" for p in used)
-    # A records its answer after the pages are free, which B may see first.
-    wait_until(lambda: {s.name: s for s in record.read().slots}["a/kv0"].givebacks == 2)
     reading = record.read()
     assert reading.mapped <= reading.capacity
     mine = {s.name: s for s in reading.slots}
@@ -129,7 +132,7 @@ def test_live_limit_reaches_an_idle_pool_and_raising_restores_growth(
     a.free_pages(a.alloc_pages(3))  # 3 reserved: 11 mapped
     time.sleep(0.1)  # idle
     assert kvctl(["limit", "eng", "kv0", str(2 * PAGE_BYTES)]) == 0  # below the 3 in use
-    took = wait_until(lambda: not cache.cached and a.num_reserved == 0, timeout=1.0)
+    took = wait_until(lambda: a.num_mapped == 3 and not cache.cached, timeout=1.0)
     assert took < 0.2
     # Every cached page and the reserve went at once; no used page did.
     assert a.num_mapped == 3 and a.num_in_use == 3 and a.shrink_pending
