@@ -1,28 +1,6 @@
 """kvcached's settings, read from ``KVCACHED_*`` environment variables.
 
-==============================  =======  =============  ======================================
-variable                        default  range          meaning
-==============================  =======  =============  ======================================
-KVCACHED_PAGE_SIZE_MB           2        1..1024        physical page per layer buffer (MiB)
-KVCACHED_CONTIGUOUS_LAYOUT      off                     one tensor for all layers
-KVCACHED_PREALLOC               on                      keep a reserve of mapped pages
-KVCACHED_MIN_RESERVED_PAGES     2        0..65536       refill the reserve below this many pages
-KVCACHED_MAX_RESERVED_PAGES     8        0..65536       never keep more mapped-but-unused pages
-KVCACHED_IDLE_TRIM_S            5        0..604800      trim the reserve after this long idle
-                                                        (0: never)
-KVCACHED_IDLE_KEEP_PAGES        0        0..65536       reserved pages the idle trim leaves
-KVCACHED_MEMORY_LIMIT           none     0..1 EiB       cap on mapped KV bytes per pool (2G)
-KVCACHED_GPU_UTILIZATION        0.95     0.05..1        leave (1-x) of the memory free
-KVCACHED_MAX_CACHED_TOKENS      8192     -1..2^31-1     prefix-cached tokens kept (-1: no cap)
-KVCACHED_IPC_TIMEOUT_S          60       0.001..86400   bound on one call to the workers
-KVCACHED_IPC_CONNECT_TIMEOUT_S  60       0..86400       bound on connecting to a worker
-==============================  =======  =============  ======================================
-
-Every numeric setting has an accepted range (:data:`RANGES`, the README's
-settings table lists the same); a value outside it, a non-finite one or one
-too large to represent is a :class:`KVCachedConfigError` naming the variable
-and the value, raised when the setting is read.
-"""
+==============================  =======  =============  ==============================="""
 
 from __future__ import annotations
 
@@ -114,6 +92,50 @@ def env_setting(name: str, default: int | float) -> int | float:
     return env_float(name, float(default), minimum=float(lo), maximum=float(hi))
 
 
+_PERCENT_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*%\s*$")
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """A size given in bytes or as a share of a device (``512M``, ``2G``, ``40%``)."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    def resolve(self, total: int) -> int:
+        """Bytes, taking a percentage of ``total`` (the device's size).
+
+        Raises:
+            KVCachedConfigError: A percentage and the device's size is unknown.
+        """
+        if self.nbytes is not None:
+            return self.nbytes
+        if total <= 0:
+            raise KVCachedConfigError(
+                f"{self} is a share of the device, but the device's size is unknown; give bytes")
+        return int(total * (self.fraction or 0.0))
+
+    def __str__(self) -> str:
+        return f"{self.nbytes} bytes" if self.nbytes is not None else f"{(self.fraction or 0) * 100:g}%"
+
+
+def parse_size_spec(text: str, name: str = "size") -> SizeSpec:
+    """Parse ``512M``, ``2G``, ``1048576`` or a percentage of the device ``0``..``100%``.
+
+    Raises:
+        KVCachedConfigError: Not a size, or a percentage outside 0..100.
+    """
+    match = _PERCENT_RE.match(str(text))
+    if match is not None:
+        pct = float(match.group(1))
+        if not 0 <= pct <= 100:
+            raise KVCachedConfigError(f"{name}={text!r}: a percentage must be within 0..100%")
+        return SizeSpec(fraction=pct / 100)
+    if str(text).strip().startswith("-"):
+        raise KVCachedConfigError(f"{name}={text!r} is negative; sizes are >= 0")
+    return SizeSpec(nbytes=parse_size(text, name))
+
+
 @dataclass(frozen=True)
 class Settings:
     page_size: int
@@ -125,6 +147,7 @@ class Settings:
     memory_limit: int | None
     gpu_utilization: float
     idle_keep_pages: int = 0
+    device_budget: SizeSpec | None = None
 
 
 #: Built-in defaults of :func:`load_settings` (an engine adapter may pass its own).
@@ -155,6 +178,7 @@ def load_settings(**defaults: float) -> Settings:
             f"KVCACHED_MAX_RESERVED_PAGES={max_res} is below KVCACHED_MIN_RESERVED_PAGES={min_res}"
         )
     limit_text = os.environ.get("KVCACHED_MEMORY_LIMIT", "").strip()
+    budget_text = os.environ.get("KVCACHED_DEVICE_BUDGET", "").strip()
     return Settings(
         page_size=page_mb * MiB,
         contiguous_layout=env_bool("KVCACHED_CONTIGUOUS_LAYOUT", False) if layout else None,
@@ -165,6 +189,8 @@ def load_settings(**defaults: float) -> Settings:
         memory_limit=parse_size(limit_text, "KVCACHED_MEMORY_LIMIT") if limit_text else None,
         gpu_utilization=env_setting("KVCACHED_GPU_UTILIZATION", float(d["gpu_utilization"])),
         idle_keep_pages=env_setting("KVCACHED_IDLE_KEEP_PAGES", int(d["idle_keep_pages"])),
+        device_budget=(parse_size_spec(budget_text, "KVCACHED_DEVICE_BUDGET")
+                       if budget_text and budget_text.lower() != "none" else None),
     )
 
 

@@ -76,6 +76,25 @@ the allocator's own maps and unmaps since the reading are accounted for; what
 other processes took shows at the next reading (a map that then fails is a
 scheduling miss, as below).
 
+Device budget, giveback, live limits
+------------------------------------
+With a ``budget`` (a :class:`~kvcached_core.ipc.budget.BudgetSlot`: this pool's
+share of a budget every pool on the device draws from) fresh pages are claimed
+in the budget before they are mapped and released after they are unmapped; a
+claim the budget refuses asks the other pools for memory and, while they hold
+enough, waits up to :data:`BUDGET_WAIT_S` for them to give it; then it is a
+scheduling miss, like out of memory. Every allocator with a budget watches for such asks
+from its background thread (every :data:`CONTROL_POLL_S` seconds, a memory
+read) and gives back, cheapest first, until the budget has room for what was
+asked: its reserve and the backing's pooled handles, then whole pages of
+evictable prefix cache through the *evictor* the engine adapter registers
+(:meth:`PageAllocator.set_evictor`; it runs on the background thread, so it
+must take whatever lock guards the engine's block pool). A page in use is never
+given back. With a *limit source* (:meth:`PageAllocator.watch_limit`, e.g. the
+pool's shared-memory segment that ``kvctl limit`` writes) the same poll applies
+a new limit at once, also on an idle engine: the reserve goes, evictable pages
+are evicted down to the limit, pages in use shrink as they are freed.
+
 The backing
 -----------
 The allocator drives its ``kv_tensors`` through one small interface:
@@ -107,7 +126,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,20 +140,30 @@ from kvcached_core.errors import (
     MappingError,
 )
 
-__all__ = ["DEMAND_WINDOW_S", "REFILL_BATCH", "PageAllocator", "PageStats"]
+__all__ = ["BUDGET_WAIT_S", "CONTROL_POLL_S", "DEMAND_WINDOW_S", "GIVEBACK_FACTOR",
+           "REFILL_BATCH", "PageAllocator", "PageStats"]
 
 #: Pages one background refill maps in one backing call (the reserve grows in
 #: such batches, so an allocation that needs a fresh map waits for at most one).
 REFILL_BATCH = 4
 #: With ``follow_demand``, the refill target is the pages allocated this long back.
 DEMAND_WINDOW_S = 0.2
+#: How often the background thread looks at the budget's asks and the limit source.
+CONTROL_POLL_S = 0.025
+#: How long an allocation that missed for budget waits for other pools to give back
+#: (only while they hold enough): a running request's next block then arrives a
+#: little late instead of the engine preempting it.
+BUDGET_WAIT_S = 0.1
+#: A giveback makes room for this many times what was asked (the asking pool's
+#: next steps want about as much again).
+GIVEBACK_FACTOR = 2
 
 _log = logging.getLogger(__name__)
 
 _FREE, _RESERVED, _IN_USE, _MAPPING, _UNMAPPING, _BROKEN = range(6)
 _STATE_NAMES = ("free", "reserved", "in use", "being mapped", "being unmapped", "broken")
 
-_WAIT, _STOP, _REFILL, _TRIM, _RETIRE, _READ = range(6)
+_WAIT, _STOP, _REFILL, _TRIM, _RETIRE, _READ, _CONTROL = range(7)
 
 
 class _Unset:
@@ -197,6 +226,8 @@ def _worker_loop(ref: weakref.ref[PageAllocator], cond: threading.Condition) -> 
                 alloc._retire()
             elif action == _READ:
                 alloc._read_phys()
+            elif action == _CONTROL:
+                alloc._control()
             else:
                 alloc.trim(alloc._idle_keep)
         except Exception:  # keep the thread alive; the next activity retries
@@ -227,6 +258,10 @@ class PageAllocator:
             read them has finished (see the module docs).
         follow_demand: Refill the reserve to the recent allocation rate
             (default: on GPU backings).
+        budget: This pool's slot in the device's shared budget (see the
+            module docs), or ``None``.
+        budget_wait_s: How long an allocation the budget refuses waits for
+            other pools to give back (default :data:`BUDGET_WAIT_S`; 0: a miss at once).
 
     Raises:
         KVCachedConfigError: A setting is out of range.
@@ -249,6 +284,8 @@ class PageAllocator:
         mem_info_ttl_s: float = 0.1,
         fence: StepFence | None = None,
         follow_demand: bool | None = None,
+        budget: Any = None,
+        budget_wait_s: float | None = None,
     ) -> None:
         s = settings if settings is not None else load_settings()
         total = kv_tensors.num_pages
@@ -313,6 +350,15 @@ class PageAllocator:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        self._budget = budget
+        self._budget_wait_s = BUDGET_WAIT_S if budget_wait_s is None else float(budget_wait_s)
+        self._limit_source: Any = None
+        self._evictor: Callable[[int], int] | None = None
+        self._next_poll = 0.0
+        self._pending_limit: int | None = _UNSET
+        self._pending_pressure = 0
+        #: Giveback / live-limit counters (for tests and benchmarks).
+        self.givebacks: list[dict[str, float]] = []
         weakref.finalize(self, _wake, self._cond)
         if fence is not None:
             ref = weakref.ref(self)
@@ -490,6 +536,7 @@ class PageAllocator:
         self._check_page(page_id)
         self._check_owner()
         self._refresh_phys()
+        self._ensure_worker()
         with self._cond:
             if self._closed:
                 raise KVCachedError("this PageAllocator is closed")
@@ -752,24 +799,29 @@ class PageAllocator:
     def _map_fresh(self, taken: list[int], fresh: list[int], prefetch: bool = False) -> bool:
         """Map ``fresh`` (marked in flight); on failure put everything back.
 
-        Returns ``False`` for out of memory; other errors propagate.
+        Returns ``False`` for out of memory or a budget that has no room;
+        other errors propagate.
         """
+        budget, claimed = self._budget, 0
+        if budget is not None:
+            nbytes = len(fresh) * self._page_bytes
+            try:
+                ok = (budget.claim(nbytes, pressure=False) if prefetch
+                      else budget.claim_waiting(nbytes, self._budget_wait_s))
+            except Exception:  # a broken record must not stop the engine
+                _log.exception("kvcached: claiming %d bytes in the device budget failed", nbytes)
+                ok, nbytes = True, 0
+            if not ok:
+                self._rollback(taken, fresh, oom=False)
+                return False
+            claimed = nbytes
         try:
             self._kv.map_pages(fresh)
         except BaseException as exc:
+            if claimed:
+                self._release_budget(claimed)
             oom = isinstance(exc, MemoryError)
-            with self._cond:
-                self._n_mapping -= len(fresh)
-                self._set_locked(fresh, _FREE)
-                for p in fresh:
-                    heapq.heappush(self._free, p)
-                self._set_locked(taken, _RESERVED)
-                self._reserved.extend(taken)
-                self._n_in_use -= len(taken)
-                if self._phys_pages is not None:
-                    # The device is fuller than the last reading: trust none until the next.
-                    self._phys_pages = 0 if oom else self._phys_pages + len(fresh)
-                self._cond.notify_all()
+            self._rollback(taken, fresh, oom)
             if oom:
                 return False
             raise
@@ -783,6 +835,27 @@ class PageAllocator:
                 self._n_in_use += len(fresh)
             self._cond.notify_all()
         return True
+
+    def _release_budget(self, nbytes: int) -> None:
+        try:
+            self._budget.release(nbytes)
+        except Exception:
+            _log.exception("kvcached: releasing %d bytes in the device budget failed", nbytes)
+
+    def _rollback(self, taken: list[int], fresh: list[int], oom: bool) -> None:
+        """Put pages taken for an allocation whose fresh map did not happen back."""
+        with self._cond:
+            self._n_mapping -= len(fresh)
+            self._set_locked(fresh, _FREE)
+            for p in fresh:
+                heapq.heappush(self._free, p)
+            self._set_locked(taken, _RESERVED)
+            self._reserved.extend(taken)
+            self._n_in_use -= len(taken)
+            if self._phys_pages is not None:
+                # The device is fuller than the last reading: trust none until the next.
+                self._phys_pages = 0 if oom else self._phys_pages + len(fresh)
+            self._cond.notify_all()
 
     def _unmap(self, pages: list[int]) -> None:
         """Unmap pages marked in flight. A failure is logged, not raised: pages
@@ -807,6 +880,8 @@ class PageAllocator:
             if self._phys_pages is not None:
                 self._phys_pages += freed
             self._cond.notify_all()
+        if self._budget is not None and freed:
+            self._release_budget(freed * self._page_bytes)
 
     def _trim_pool(self, keep_pages: int) -> None:
         try:
@@ -853,6 +928,7 @@ class PageAllocator:
     def _ensure_worker(self) -> None:
         if self._thread is not None or not (
             self._prealloc or self._idle_trim_s > 0 or self._fence is not None
+            or self._budget is not None or self._limit_source is not None
         ):
             return
         with self._cond:
@@ -868,6 +944,37 @@ class PageAllocator:
 
     def _decide_locked(self, now: float) -> tuple[int, float | None]:
         """The worker's next step, and how long to wait when there is none."""
+        if self._stop:
+            return _STOP, None
+        if self._budget is None and self._limit_source is None:
+            return self._decide_work_locked(now)
+        if now >= self._next_poll:
+            self._next_poll = now + CONTROL_POLL_S
+            self._poll_control_locked()
+        if self._pending_limit is not _UNSET or self._pending_pressure:
+            self._worker_busy = True
+            return _CONTROL, None
+        action, timeout = self._decide_work_locked(now)
+        if action == _WAIT:
+            left = max(0.0, self._next_poll - now)
+            timeout = left if timeout is None else min(timeout, left)
+        return action, timeout
+
+    def _poll_control_locked(self) -> None:
+        """Look at the limit source and the budget's asks (memory reads, no system call)."""
+        try:
+            if self._limit_source is not None:
+                limit = self._limit_source.poll_limit()
+                if limit is not None:
+                    self._pending_limit = limit
+            if self._budget is not None:
+                gen = self._budget.pending_pressure()
+                if gen:
+                    self._pending_pressure = gen
+        except Exception:
+            _log.exception("kvcached: reading the pool's limit or the device budget failed")
+
+    def _decide_work_locked(self, now: float) -> tuple[int, float | None]:
         if self._stop:
             return _STOP, None
         if self._phys_wanted:
@@ -904,6 +1011,96 @@ class PageAllocator:
         if fence is None or not stamps:
             return True
         return any(stamps.get(p, 0) <= fence.completed for p in self._reserved)
+
+    # ------------------------------------------------------------ budget, live limits
+
+    def watch_limit(self, source: Any) -> None:
+        """Apply the limits ``source.poll_limit()`` reports (bytes, negative for none;
+        ``None`` when unchanged) from the background thread, within
+        :data:`CONTROL_POLL_S` also when the engine is idle."""
+        self._check_owner()
+        with self._cond:
+            self._limit_source = source
+            self._next_poll = 0.0
+            self._cond.notify_all()
+        self._ensure_worker()
+
+    def set_evictor(self, evictor: Callable[[int], int] | None) -> None:
+        """Register the engine's eviction of prefix-cached pages.
+
+        ``evictor(n)`` frees the blocks of up to ``n`` whole pages that hold
+        only evictable (cached, unused) blocks and returns how many pages it
+        freed. It is called from the background thread, for a budget's ask or
+        a lowered limit.
+        """
+        self._evictor = evictor
+
+    @property
+    def budget(self) -> Any:
+        """This pool's slot in the device budget, or ``None``."""
+        return self._budget
+
+    def _control(self) -> None:
+        """Apply a new limit and answer the budget's ask (background thread)."""
+        with self._cond:
+            limit, self._pending_limit = self._pending_limit, _UNSET
+            gen, self._pending_pressure = self._pending_pressure, 0
+        if limit is not _UNSET:
+            self._apply_limit(limit)
+        if gen:
+            self._give_back(gen)
+
+    def _apply_limit(self, limit: int) -> None:
+        start = time.monotonic()
+        before = self.num_mapped
+        try:
+            pages = self.set_memory_limit(None if limit < 0 else limit)
+        except KVCachedConfigError:
+            _log.warning("kvcached: ignoring the bad memory limit %r", limit)
+            return
+        over = self.num_mapped - pages
+        if over > 0 and self._evictor is not None:
+            self._evict(over)
+        self.givebacks.append(dict(kind="limit", limit=limit, pages=before - self.num_mapped,
+                                   seconds=time.monotonic() - start))
+
+    def _evict(self, pages: int) -> int:
+        try:
+            return int(self._evictor(pages) or 0)  # type: ignore[misc]
+        except Exception:
+            _log.exception("kvcached: evicting cached pages for the budget or limit failed")
+            return 0
+
+    def _drop_reserve(self) -> int:
+        """Unmap every reserved page the fence allows and the pooled handles."""
+        with self._cond:
+            drop = self._pop_reserve_locked(len(self._reserved), safe_only=True)
+        if drop:
+            self._unmap(drop)
+        self._trim_pool(0)
+        return len(drop)
+
+    def _give_back(self, gen: int) -> None:
+        """Give memory back until the budget has room for what another pool asked."""
+        budget = self._budget
+        start = time.monotonic()
+        _gen, wanted, slot, raised_ns = budget.pressure()
+        wanted *= GIVEBACK_FACTOR
+        before = self.num_mapped
+        if slot != budget.slot and budget.room() < wanted:
+            self._drop_reserve()
+            room = budget.room()
+            if room < wanted and self._evictor is not None:
+                need = -(-(wanted - room) // self._page_bytes)
+                if self._evict(need):
+                    self._drop_reserve()
+        given = max(0, before - self.num_mapped)
+        budget.answered(gen, given * self._page_bytes, raised_ns)
+        if given:
+            self.givebacks.append(dict(kind="budget", gen=gen, pages=given,
+                                       seconds=time.monotonic() - start))
+            _log.info("kvcached: gave %d pages (%d bytes) back to the device budget in %.1f ms",
+                      given, given * self._page_bytes, 1e3 * (time.monotonic() - start))
 
     def _retire(self) -> None:
         """Unmap the reserve's excess that the fence allows (background thread)."""

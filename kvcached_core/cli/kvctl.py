@@ -12,7 +12,11 @@ Subcommands:
 * ``list [--json]``: every live KV pool on this machine (namespace, pool,
   limit, used and reserved bytes), from the pools' shared-memory segments.
 * ``limit NAMESPACE POOL SIZE``: set a pool's memory limit (``2G``, ``512M``,
-  or ``none``); the pool's owner applies it as a deferred shrink.
+  ``40%`` of the device, or ``none``); the pool's owner applies it within a
+  fraction of a second, also when idle (reserve and evictable cache at once,
+  pages in use as they are freed).
+* ``budget [SIZE] [--device KEY] [--json]``: show or set the per-device budget
+  shared by every engine of this user (:mod:`kvcached_core.ipc.budget`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 __all__ = [
+    "add_budget_command",
     "add_doctor_command",
     "add_limit_command",
     "add_list_command",
@@ -156,17 +161,26 @@ def add_list_command(subparsers: Any) -> None:
 
 
 def _run_limit(args: argparse.Namespace) -> int:
-    from kvcached_core.config import parse_size
+    from kvcached_core.config import parse_size_spec
     from kvcached_core.errors import KVCachedError
-    from kvcached_core.ipc.shm import NO_LIMIT, set_limit
+    from kvcached_core.ipc.shm import NO_LIMIT, open_pool
 
     try:
-        limit = NO_LIMIT if args.size.lower() == "none" else parse_size(args.size, "SIZE")
-        stats = set_limit(args.namespace, args.pool, limit)
+        spec = None if args.size.strip().lower() == "none" else parse_size_spec(args.size, "SIZE")
+        with open_pool(args.namespace, args.pool) as view:
+            before = view.read()
+            if not before.alive:
+                raise KVCachedError(f"pool {args.pool} of namespace {args.namespace} belongs to "
+                                    f"the dead process {before.pid} (a stale record)")
+            limit = NO_LIMIT if spec is None else spec.resolve(before.device_total)
+            view.set_limit(limit)
+            stats = view.read()
     except KVCachedError as err:
         print(f"kvctl limit: {err}", file=sys.stderr)
         return 2
     shown = _mib(stats.limit) if stats.has_limit else "none"
+    if stats.has_limit and stats.limit > stats.capacity:
+        shown += f" (the pool's reservation, {_mib(stats.capacity)}, bounds it)"
     print(f"{stats.namespace} {stats.pool}: limit {shown} (used {_mib(stats.used)})")
     return 0
 
@@ -175,12 +189,75 @@ def add_limit_command(subparsers: Any) -> None:
     """Add ``kvctl limit`` to ``subparsers``."""
     parser = subparsers.add_parser(
         "limit", help="set a KV pool's memory limit",
-        description="Set the memory limit of one KV pool (see kvctl list). Below what the "
-        "pool uses, the pool stops growing and shrinks as requests finish.")
+        description="Set the memory limit of one KV pool (see kvctl list). The pool applies "
+        "it within a fraction of a second, also when idle: its reserve and evictable "
+        "prefix cache go at once; below what the pool uses, it stops growing and shrinks "
+        "as requests finish.")
     parser.add_argument("namespace", help="the pool's namespace, as kvctl list shows it")
     parser.add_argument("pool", help="the pool's name, as kvctl list shows it")
-    parser.add_argument("size", help="bytes, e.g. 2G, 512M, 1048576, or none")
+    parser.add_argument("size", help="bytes (2G, 512M, 1048576), a share of the device "
+                        "(40%%), or none")
     parser.set_defaults(func=_run_limit)
+
+
+def _run_budget(args: argparse.Namespace) -> int:
+    from kvcached_core.config import parse_size_spec
+    from kvcached_core.errors import KVCachedError
+    from kvcached_core.ipc.budget import NO_BUDGET, BudgetRecord, list_budgets
+
+    try:
+        if args.size is not None:
+            spec = (None if args.size.strip().lower() == "none"
+                    else parse_size_spec(args.size, "SIZE"))
+            with BudgetRecord.open(args.device) as rec:
+                rec.set_capacity(NO_BUDGET if spec is None else spec.resolve(rec.device_total))
+        readings = [r for r in list_budgets() if args.device in (None, r.device)]
+    except KVCachedError as err:
+        print(f"kvctl budget: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump({"schema": "kvcached.budgets/1", "budgets": [
+            {"device": r.device, "capacity": r.capacity if r.has_budget else None,
+             "mapped": r.mapped, "device_total": r.device_total or None,
+             "pressure_gen": r.pressure_gen, "slots": [
+                 {"name": s.name, "pid": s.pid, "alive": s.alive, "mapped": s.mapped,
+                  "misses": s.misses, "given_bytes": s.given_bytes, "givebacks": s.givebacks,
+                  "max_giveback_ms": s.max_giveback_ns / 1e6} for s in r.slots]}
+            for r in readings]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if not readings:
+        print("no device budget records on this machine")
+    for r in readings:
+        cap = _mib(r.capacity) if r.has_budget else "none"
+        print(f"{r.device}: budget {cap}, mapped {_mib(r.mapped)}")
+        for s in r.slots:
+            pid = str(s.pid) if s.alive else f"{s.pid}(gone)"
+            print(f"  {s.name:<40}{pid:>8}{_mib(s.mapped):>14}  misses {s.misses}  "
+                  f"gave {_mib(s.given_bytes)} in {s.givebacks}")
+    return 0
+
+
+def add_budget_command(subparsers: Any) -> None:
+    """Add ``kvctl budget`` to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "budget", help="show or set the KV budget shared by all engines on a device",
+        description="Show the per-device KV budgets, or set one: the KV bytes every pool "
+        "of every engine of this user may map on the device together. An engine short "
+        "of budget asks the others, which give back their reserve and evictable prefix "
+        "cache.")
+    parser.add_argument("size", nargs="?", help="bytes (8G), a share of the device (40%%), "
+                        "or none; omit to show")
+    parser.add_argument("--device", default=None,
+                        help="device key: host, cuda0, ... (default when setting: host)")
+    parser.add_argument("--json", action="store_true", help="print the budgets as JSON")
+
+    def run(args: argparse.Namespace) -> int:
+        if args.size is not None and args.device is None:
+            args.device = "host"
+        return _run_budget(args)
+
+    parser.set_defaults(func=run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_command(subparsers)
     add_list_command(subparsers)
     add_limit_command(subparsers)
+    add_budget_command(subparsers)
     return parser
 
 

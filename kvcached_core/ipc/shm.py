@@ -22,6 +22,8 @@ Layout (native byte order; the file never leaves the machine)::
         64 updated_ns   owner (CLOCK_REALTIME)
         72 limit i64    kvctl: bytes the pool may map, -1 for none
         80 limit_gen    kvctl: bumped on every limit write
+        88 device_total owner: bytes of the pool's device (0: unknown; for kvctl's
+                        percentages)
         96 namespace    owner, 64 bytes, NUL padded
        160 pool         owner, 64 bytes, NUL padded
 
@@ -74,7 +76,8 @@ PREFIX = "kvcached."
 
 _HEAD = struct.Struct("=8sII")  # magic, version, size: written once, before publication
 # int64 word indices
-_PID, _CREATED, _SEQ, _USED, _RESERVED, _CAPACITY, _UPDATED, _LIMIT, _GEN = range(2, 11)
+_PID, _CREATED, _SEQ, _USED, _RESERVED, _CAPACITY, _UPDATED, _LIMIT, _GEN, _DEV_TOTAL = range(
+    2, 12)
 _OFF_NS, _OFF_POOL, _NAME = 96, 160, 64
 _STUCK_S = 0.05  # after this long, check whether the writer is still alive
 _STUCK_ALIVE_S = 2.0  # the bound for a live owner that is merely slow
@@ -114,6 +117,7 @@ class PoolStats:
     updated_ns: int
     path: str
     alive: bool
+    device_total: int = 0
 
     @property
     def has_limit(self) -> bool:
@@ -210,6 +214,7 @@ class PoolView:
             updated_ns=updated,
             path=os.fspath(self.path),
             alive=_pid_alive(w[_PID]),
+            device_total=w[_DEV_TOTAL],
         )
 
     @property
@@ -365,6 +370,10 @@ class PoolSegment(PoolView):
         self._seq = seq + 1
         w[_SEQ] = seq + 1  # even: published
 
+    def set_device_total(self, total: int) -> None:
+        """Record the size of the pool's device (``kvctl limit 40%`` takes a share of it)."""
+        self._w[_DEV_TOTAL] = max(0, int(total))
+
     def poll_limit(self) -> int | None:
         """The limit if ``kvctl`` wrote one since the last poll, else ``None``.
 
@@ -418,7 +427,11 @@ def open_pool(
     namespace: str, pool: str, directory: str | os.PathLike[str] | None = None
 ) -> PoolView:
     """Open an existing pool's segment (raises :class:`IPCError` if there is none)."""
-    return PoolView(segment_path(namespace, pool, directory))
+    path = segment_path(namespace, pool, directory)
+    if not os.path.lexists(path):
+        raise IPCError(f"cannot open segment {path}: no pool {pool} in namespace {namespace} "
+                       "(kvctl list shows the live pools)")
+    return PoolView(path)
 
 
 def set_limit(

@@ -9,6 +9,11 @@ release's source. Patches change attributes looked up at call time (methods,
 module globals read inside functions), never a name another module already
 copied with ``from X import Y``.
 
+``schedule`` and ``update_from_output`` (the step-fence wrappers) also hold
+the elastic runtime's lock, like ``finish_requests`` and ``reset_prefix_cache``:
+kvcached's background thread takes it to evict cached blocks when the device
+budget asks for memory or a lower limit arrives.
+
 Every patch is deferred: it lands when vLLM itself imports its module, so the
 API process and the engine core never import the worker and model-runner
 modules (about 1.3-2 s per process on a CPU host) just to be patched.
@@ -22,6 +27,8 @@ page-aligned-kv-blocks                 all           block count keeps layer reg
 elastic-scheduler-setup                all           kvcached setup with the scheduler's config
 step-fence-scheduled                   all           count scheduled steps (the unmap fence)
 step-fence-completed                   all           count completed steps (the unmap fence)
+pool-lock-finish                       all           ``finish_requests`` under the pool's lock
+pool-lock-reset                        all           ``reset_prefix_cache`` under the pool's lock
 elastic-block-pool                     all           coordinator builds :class:`ElasticBlockPool`
 exhaustion-is-a-miss                   all           ``allocate_slots`` -> ``None`` on exhaustion
 elastic-kv-tensors                     all           V1 runner: KV views on virtual memory,
@@ -37,6 +44,7 @@ warmup-window                          all (GPU)     pages of the warm-up's made
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -146,6 +154,8 @@ def wrap_get_kv_cache_configs(original: Any) -> Any:
 FENCE_ATTR = "_kvcached_fence"
 #: Where a ``SchedulerOutput`` of an elastic scheduler carries its step number.
 STEP_ATTR = "_kvcached_step"
+#: Where an elastic scheduler keeps the lock its block pool's eviction hook takes.
+LOCK_ATTR = "_kvcached_lock"
 
 
 def wrap_scheduler_init(original: Any) -> Any:
@@ -159,10 +169,31 @@ def wrap_scheduler_init(original: Any) -> Any:
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         with scheduler_context(bound["vllm_config"], bound["kv_cache_config"]) as built:
             original(self, *args, **kwargs)
-        if built.runtime is not None and built.runtime.fence is not None:
-            setattr(self, FENCE_ATTR, built.runtime.fence)
+        if built.runtime is not None:
+            setattr(self, LOCK_ATTR, built.runtime.lock)
+            if built.runtime.fence is not None:
+                setattr(self, FENCE_ATTR, built.runtime.fence)
 
     return __init__
+
+
+_NO_LOCK = contextlib.nullcontext()
+
+
+def _pool_lock(scheduler: Any) -> Any:
+    return scheduler.__dict__.get(LOCK_ATTR) or _NO_LOCK
+
+
+def wrap_locked(original: Any) -> Any:
+    """A scheduler method that touches the block pool runs under the elastic runtime's lock,
+    which kvcached's background thread takes to evict cached blocks for the device budget."""
+
+    @functools.wraps(original)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _pool_lock(self):
+            return original(self, *args, **kwargs)
+
+    return locked
 
 
 def wrap_schedule(original: Any) -> Any:
@@ -170,7 +201,8 @@ def wrap_schedule(original: Any) -> Any:
 
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = original(self, *args, **kwargs)
+        with _pool_lock(self):
+            output = original(self, *args, **kwargs)
         fence = self.__dict__.get(FENCE_ATTR)
         if fence is not None:
             seq = fence.step_scheduled()
@@ -191,7 +223,8 @@ def wrap_update_from_output(original: Any) -> Any:
         fence = self.__dict__.get(FENCE_ATTR)
         if fence is not None:
             fence.step_completed(getattr(scheduler_output, STEP_ATTR, None))
-        return original(self, scheduler_output, *args, **kwargs)
+        with _pool_lock(self):
+            return original(self, scheduler_output, *args, **kwargs)
 
     return update_from_output
 
@@ -325,6 +358,12 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", versions=ALL,
                   wrapper=wrap_update_from_output, name="step-fence-completed",
                   description="a step's output arrived: pages it could read may be unmapped"),
+        _deferred("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", versions=ALL,
+                  wrapper=wrap_locked, name="pool-lock-finish",
+                  description="finishing requests frees blocks under the pool's lock"),
+        _deferred("vllm.v1.core.sched.scheduler:Scheduler.reset_prefix_cache", versions=ALL,
+                  wrapper=wrap_locked, name="pool-lock-reset",
+                  description="resetting the prefix cache under the pool's lock"),
         _deferred("vllm.v1.core.kv_cache_coordinator:BlockPool", versions=ALL,
                   wrapper=wrap_block_pool, name="elastic-block-pool",
                   description="the KV cache coordinator builds an ElasticBlockPool"),

@@ -269,6 +269,32 @@ class ElasticBlockPool(BlockPool):
         return [blocks[i] for i in self.kv_block_manager.blocks_in_page(page)
                 if blocks[i].prev_free_block is not None and blocks[i].ref_cnt == 0]
 
+    def give_back_pages(self, n: int) -> int:
+        """Evict the cached blocks of up to ``n`` pages that hold nothing else (LRU first).
+
+        The hook kvcached calls when the device budget asks for memory or a
+        lower limit arrives: only whole pages free memory, so partly used pages
+        keep their cached blocks. Returns the pages freed. Call it with the
+        scheduler's lock held (the pool is not thread-safe).
+        """
+        queue = self.free_block_queue
+        if n <= 0 or not queue.num_free_blocks:
+            return 0
+        occupancy, per_page = self.kv_block_manager.page_occupancy, queue.per_page
+        victims: list[Any] = []
+        pages = 0
+        for page in list(queue.touched):  # least recently used first
+            if pages >= n:
+                break
+            if per_page[page] == occupancy(page):
+                victims += self._queued_in_page(page)
+                pages += 1
+        if victims:
+            self._release_evictable(victims)
+            log.debug("kvcached: evicted %d cached blocks (%d pages) to give memory back",
+                      len(victims), pages)
+        return pages
+
     def _release_evictable(self, victims: list[Any]) -> None:
         queue = self.free_block_queue
         for block in victims:

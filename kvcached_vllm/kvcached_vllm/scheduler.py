@@ -23,12 +23,24 @@ pool; ``KVCACHED_STRICT=1`` refuses to start instead. With async scheduling
 read it is still on its way to the workers stays mapped until that step is done.
 A synchronous scheduler (vLLM on CPUs) frees blocks only once its step is done
 and unmaps at once.
+
+Every engine's pool joins its device's budget record
+(:mod:`kvcached_core.ipc.budget`; ``KVCACHED_DEVICE_BUDGET`` or ``kvctl budget``
+sets the budget): a step that misses for lack of budget asks the other engines,
+whose page allocators give back their reserve, then whole pages of evictable
+prefix cache through :meth:`ElasticBlockPool.give_back_pages`. That runs on
+the allocator's background thread under the runtime's lock, which the patched
+``Scheduler.schedule`` / ``update_from_output`` / ``finish_requests`` /
+``reset_prefix_cache`` hold too: an idle engine gives back at once, a busy one
+between steps. ``kvctl limit`` reaches the engine the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +53,7 @@ from kvcached_core.device import Device
 from kvcached_core.env import env_bool
 from kvcached_core.errors import IPCError, KVCachedConfigError
 from kvcached_core.ipc import PoolSegment, RemoteKVTensors, namespace_endpoints
+from kvcached_core.ipc.budget import BudgetRecord, BudgetSlot, device_key
 from kvcached_core.ipc.paths import accepts_connections
 
 from kvcached_vllm.geometry import KVGeometry, block_offset_for
@@ -92,6 +105,19 @@ class ElasticRuntime:
     segment: PoolSegment | None
     max_cached_blocks: int | None
     fence: StepFence | None
+    budget: BudgetSlot | None = None
+    #: Held around the scheduler's calls that touch the block pool, and by the
+    #: page allocator's background thread while it evicts cached blocks.
+    lock: Any = dataclasses.field(default_factory=threading.RLock)
+
+    def attach_pool(self, pool: Any) -> None:
+        """Let the page allocator evict the pool's cached pages (budget asks, lower limits)."""
+
+        def evict(pages: int) -> int:
+            with self.lock:
+                return pool.give_back_pages(pages)
+
+        self.pages.set_evictor(evict)
 
     def close(self) -> None:
         """Stop the background thread and drop the connections (workers keep their memory)."""
@@ -99,10 +125,14 @@ class ElasticRuntime:
         self.tensors.close()
         if self.segment is not None:
             self.segment.close()
+        if self.budget is not None:
+            self.budget.close()
+            self.budget.record.close()
 
 
 def _publisher(pages: PageAllocator, segment: PoolSegment) -> Any:
-    """After each map / unmap: publish the pool's bytes, apply a limit set through ``kvctl``."""
+    """After each map / unmap: publish the pool's bytes (limits arrive through the
+    page allocator's background poll, :meth:`PageAllocator.watch_limit`)."""
     lock = threading.Lock()  # the segment has one writer at a time
 
     def publish() -> None:
@@ -110,13 +140,38 @@ def _publisher(pages: PageAllocator, segment: PoolSegment) -> Any:
             with lock:
                 st = pages.stats()
                 segment.update(used=st.in_use * st.page_bytes, reserved=st.reserved * st.page_bytes)
-                limit = segment.poll_limit()
-            if limit is not None:
-                pages.set_memory_limit(None if limit < 0 else limit)
         except Exception:  # accounting must never break scheduling
             log.debug("kvcached: publishing pool stats failed", exc_info=True)
 
     return publish
+
+
+def _device_total(device: Device, tensors: RemoteKVTensors) -> int:
+    """Bytes of the KV device (host memory on CPUs; the smallest worker GPU), 0 if unknown."""
+    try:
+        if not device.is_gpu:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if tensors._server is not None:
+            return int(tuple(tensors._server.apply("meminfo", tensors.group, []))[1])
+        return min(int(r[1]) for r in tensors._connections().meminfo(tensors.group))
+    except Exception:
+        log.debug("kvcached: reading the device's size failed", exc_info=True)
+        return 0
+
+
+def _join_budget(device: Device, settings: Any, total: int, name: str) -> BudgetSlot | None:
+    """This pool's slot in the device budget (set from ``KVCACHED_DEVICE_BUDGET`` if given)."""
+    try:
+        record = BudgetRecord.open(device_key(device.backend, device.index))
+        record.set_device_total(total)
+        if settings.device_budget is not None:
+            record.set_capacity(settings.device_budget.resolve(total))
+        return record.join(name)
+    except (IPCError, OSError, KVCachedConfigError) as exc:
+        if isinstance(exc, KVCachedConfigError) or env_bool("KVCACHED_STRICT", False):
+            raise
+        log.warning("kvcached: no device budget for this engine (%s)", exc)
+        return None
 
 
 _RUNTIMES: list[ElasticRuntime] = []
@@ -189,18 +244,23 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | No
                          False))
     fence = StepFence() if ahead else None
     settings = load_settings(**(GPU_SETTINGS if gpu else SETTINGS))
-    pages = PageAllocator(tensors, settings=settings, fence=fence)  # type: ignore[arg-type]
+    total = _device_total(device, tensors)
+    budget = _join_budget(device, settings, total, f"{ns}/kv0")
+    pages = PageAllocator(tensors, settings=settings, fence=fence,  # type: ignore[arg-type]
+                          budget=budget)
     segment = None
     try:
         segment = PoolSegment.create(ns, "kv0", capacity=layout.total_bytes)
+        segment.set_device_total(total)
         tensors.on_change = _publisher(pages, segment)
+        pages.watch_limit(segment)
     except (IPCError, OSError) as exc:
         log.warning("kvcached: no shared-memory segment for kvctl (%s)", exc)
     blocks = KVBlockManager(pages, geo.block_bytes, num_blocks=geo.num_blocks,
                             block_offset=geo.block_offset)
     block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     rt = ElasticRuntime(ns, geo, tensors, pages, blocks, segment,
-                        _max_cached_blocks(block_size), fence)
+                        _max_cached_blocks(block_size), fence, budget)
     _RUNTIMES.append(rt)
     log.info(
         "kvcached: elastic KV cache for vLLM: %d blocks of %d bytes (from byte %d) x %d regions, "
@@ -250,8 +310,10 @@ def make_block_pool(original: type) -> Any:
         pending.runtime = rt
         from kvcached_vllm.pool import ElasticBlockPool
 
-        return ElasticBlockPool(*args, block_manager=rt.blocks,
+        pool = ElasticBlockPool(*args, block_manager=rt.blocks,
                                 max_cached_blocks=rt.max_cached_blocks, **kwargs)
+        rt.attach_pool(pool)
+        return pool
 
     block_pool.__wrapped__ = original  # type: ignore[attr-defined]
     block_pool.__qualname__ = "BlockPool"

@@ -1,0 +1,289 @@
+"""Two vLLM engines on the CPU sharing one device budget: giveback and live limits.
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_share.py
+
+Engine A and engine B (each a ``vllm.LLM`` with kvcached in a process of its
+own, tiny random-weight Llama from ``tests/vllm/tiny_model.py``) join one
+budget (``KVCACHED_DEVICE_BUDGET``) in a private shared-memory directory, with
+no cap on cached prefixes (``KVCACHED_MAX_CACHED_TOKENS=-1``):
+
+1. A serves ``--a-prompts`` distinct long prompts: their blocks stay in A's
+   prefix cache, mapped, and A idles.
+2. B serves a burst that does not fit next to A's cache. B's first step that
+   needs fresh pages misses for lack of budget and asks; A's background thread
+   gives back its reserve, then whole pages of its prefix cache. Recorded:
+   B's misses, the bytes A gave back, the time from B's miss to A's pages
+   being unmapped (A's slot in the budget record: ``giveback_ms``), B's
+   preemptions (vLLM's own counter) and whether the record ever held more
+   than the budget (sampled every ms by this process).
+3. B idles with its cache; ``kvctl limit``'s call lowers B's limit to one page
+   bundle: the seconds until B's pool segment shows it unmapped down to the
+   limit (``limit_applied_ms``); then the limit is lifted and B serves again.
+
+Results go to benchmarks/results/vllm-cpu-share.json with the command line.
+``run_share`` is also what ``tests/vllm/test_shared_budget.py`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PAGE = 2 << 20
+NUM_LAYERS = 2
+BUNDLE = PAGE * NUM_LAYERS  # one page id of the tiny model: 4 MiB, 4096 tokens
+ENGINE_KW = dict(dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=True,
+                 enable_prefix_caching=True, max_num_seqs=16, kv_cache_memory_bytes=512 << 20,
+                 disable_log_stats=False)
+
+
+def prompts(n: int, length: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]} for _ in range(n)]
+
+
+# ------------------------------------------------------------ engine child
+
+
+def child(model: str) -> None:
+    """One engine; JSON commands on stdin, one JSON answer per line on stdout."""
+    # Answers get their own descriptor; everything else written to fd 1 (vLLM's
+    # prints, its engine-core process that inherits it) goes to the log.
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, **ENGINE_KW)
+
+    def preemptions() -> int:
+        return int(sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                       if m.name == "vllm:num_preemptions"))
+
+    import kvcached_core
+    import kvcached_vllm
+
+    out.write(json.dumps({"ready": True, "kvcached_core": kvcached_core.__file__,
+                          "kvcached_vllm": kvcached_vllm.__file__}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "generate":
+            params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"],
+                                    ignore_eos=True)
+            before = preemptions()
+            t = time.perf_counter()
+            res = llm.generate(prompts(cmd["n"], cmd["length"], cmd["seed"]), params,
+                               use_tqdm=False)
+            answer = {"seconds": time.perf_counter() - t,
+                      "lengths": [len(r.outputs[0].token_ids) for r in res],
+                      "tokens": [list(r.outputs[0].token_ids) for r in res],
+                      "preemptions": preemptions() - before}
+        else:
+            answer = {"error": f"unknown op {cmd['op']}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    shutdown = getattr(llm, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+class Engine:
+    """A child engine process and its command channel."""
+
+    def __init__(self, model: Path, env: dict[str, str], log: Path) -> None:
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", str(model)], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.log_path = log
+
+    def wait_ready(self, timeout: float = 600) -> dict:
+        return self._answer(timeout)
+
+    def _answer(self, timeout: float) -> dict:
+        result: dict = {}
+
+        def read() -> None:
+            line = self.proc.stdout.readline()
+            result["line"] = line
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(timeout)
+        line = result.get("line")
+        if not line:
+            raise RuntimeError(f"engine child gave no answer; log {self.log_path}:\n"
+                               + self.log_path.read_text()[-3000:])
+        return json.loads(line)
+
+    def ask(self, timeout: float = 600, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout)
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+def _slots(reading, ns_a: str, ns_b: str):
+    by = {s.name.split("/")[0]: s for s in reading.slots if s.alive}
+    return by.get(ns_a), by.get(ns_b)
+
+
+def run_share(model: Path, workdir: Path, *, budget_bundles: int = 10, a_prompts: int = 14,
+              b_prompts: int = 12, length: int = 1800, b_tokens: int = 32) -> dict:
+    """The scenario of the module docs; returns the measurements (see the results file)."""
+    from kvcached_core.ipc import budget as bud
+    from kvcached_core.ipc import shm
+
+    shm_dir = workdir / "shm"
+    shm_dir.mkdir(mode=0o700, exist_ok=True)
+    tag = uuid.uuid4().hex[:6]
+    ns_a, ns_b = f"share-a-{tag}", f"share-b-{tag}"
+    budget = budget_bundles * BUNDLE
+    base = dict(os.environ, KVCACHED_ENABLED="1", KVCACHED_STRICT="1",
+                KVCACHED_SHM_DIR=str(shm_dir), KVCACHED_DEVICE_BUDGET=str(budget),
+                KVCACHED_MAX_CACHED_TOKENS="-1", VLLM_TARGET_DEVICE="cpu")
+    base.pop("KVCACHED_BUDGET_DEVICE", None)
+    engines = {}
+    try:
+        for name, ns in (("a", ns_a), ("b", ns_b)):
+            engines[name] = Engine(model, dict(base, KVCACHED_IPC_NAME=ns),
+                                   workdir / f"engine-{name}.log")
+        imported = [e.wait_ready() for e in engines.values()]
+        a, b = engines["a"], engines["b"]
+        rec = bud.BudgetRecord.open("host", shm_dir, create=False)
+
+        a_out = a.ask(op="generate", n=a_prompts, length=length, seed=1, max_tokens=4)
+        time.sleep(2.0)  # A idles: its reserve is trimmed, its prefix cache stays
+        before = rec.read()
+        sa, sb = _slots(before, ns_a, ns_b)
+
+        peak = {"mapped": 0}
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak["mapped"] = max(peak["mapped"], rec.read().mapped)
+                time.sleep(0.001)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        b_out = b.ask(op="generate", n=b_prompts, length=length, seed=2, max_tokens=b_tokens)
+        stop.set()
+        sampler.join()
+        after = rec.read()
+        sa2, sb2 = _slots(after, ns_a, ns_b)
+
+        # Live limit on idle B: one bundle, then lifted.
+        time.sleep(2.0)
+        view = shm.open_pool(ns_b, "kv0", shm_dir)
+        st0 = view.read()
+        t0 = time.monotonic()
+        view.set_limit(BUNDLE)
+        applied, last = None, st0.used + st0.reserved
+        while time.monotonic() - t0 < 1.5:  # the time of the last change: the limit landed
+            st = view.read()
+            if st.used + st.reserved != last:
+                last, applied = st.used + st.reserved, time.monotonic() - t0
+            time.sleep(0.0005)
+        st_limited = view.read()
+        view.set_limit(shm.NO_LIMIT)
+        time.sleep(0.2)
+        b_again = b.ask(op="generate", n=4, length=length, seed=3, max_tokens=8)
+        st_after = view.read()
+        view.close()
+        rec.close()
+    finally:
+        for e in engines.values():
+            e.close()
+    return {
+        "budget_bytes": budget,
+        "imported_from": sorted({os.path.dirname(os.path.dirname(r["kvcached_core"]))
+                                 for r in imported}),
+        "a": {"prompts": a_prompts, "prompt_len": length,
+              "mapped_before_b_bytes": sa.mapped if sa else None,
+              "mapped_after_b_bytes": sa2.mapped if sa2 else None,
+              "given_back_bytes": sa2.given_bytes if sa2 else None,
+              "givebacks": sa2.givebacks if sa2 else None,
+              "giveback_ms_last": sa2.last_giveback_ns / 1e6 if sa2 else None,
+              "giveback_ms_max": sa2.max_giveback_ns / 1e6 if sa2 else None},
+        "b": {"prompts": b_prompts, "prompt_len": length, "max_tokens": b_tokens,
+              "mapped_before_bytes": sb.mapped if sb else None,
+              "mapped_after_bytes": sb2.mapped if sb2 else None,
+              "misses": sb2.misses if sb2 else None,
+              "seconds": b_out["seconds"], "preemptions": b_out["preemptions"],
+              "all_completed": all(n == b_tokens for n in b_out["lengths"]),
+              "tokens": b_out["tokens"]},
+        "a_served": {"seconds": a_out["seconds"], "preemptions": a_out["preemptions"]},
+        "peak_mapped_bytes": peak["mapped"],
+        "budget_respected": peak["mapped"] <= budget,
+        "limit": {"limit_bytes": BUNDLE, "used_before_bytes": st0.used,
+                  "reserved_before_bytes": st0.reserved,
+                  "used_limited_bytes": st_limited.used,
+                  "reserved_limited_bytes": st_limited.reserved,
+                  "applied_ms": None if applied is None else applied * 1e3,
+                  "served_after_lift": all(n == 8 for n in b_again["lengths"]),
+                  "used_after_lift_bytes": st_after.used},
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    from _timing import run_info
+
+    from tiny_model import build_tiny_llama
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget-bundles", type=int, default=10)
+    parser.add_argument("--a-prompts", type=int, default=14)
+    parser.add_argument("--b-prompts", type=int, default=12)
+    parser.add_argument("--length", type=int, default=1800)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
+                                             "vllm-cpu-share.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvshare-") as tmp:
+        work = Path(tmp)
+        model = build_tiny_llama(work / "model")
+        result = run_share(model, work, budget_bundles=args.budget_bundles,
+                           a_prompts=args.a_prompts, b_prompts=args.b_prompts,
+                           length=args.length)
+    result["b"].pop("tokens")
+    import vllm
+
+    out = {**run_info("vllm-cpu-share", vllm=vllm.__version__), **result}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
