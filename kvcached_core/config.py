@@ -1,6 +1,31 @@
 """kvcached's settings, read from ``KVCACHED_*`` environment variables.
 
-==============================  =======  =============  ==============================="""
+==============================  =======  =============  ======================================
+variable                        default  range          meaning
+==============================  =======  =============  ======================================
+KVCACHED_PAGE_SIZE_MB           2        1..1024        physical page per layer buffer (MiB)
+KVCACHED_CONTIGUOUS_LAYOUT      off                     one tensor for all layers
+KVCACHED_PREALLOC               on                      keep a reserve of mapped pages
+KVCACHED_MIN_RESERVED_PAGES     2        0..65536       refill the reserve below this many pages
+KVCACHED_MAX_RESERVED_PAGES     8        0..65536       never keep more mapped-but-unused pages
+KVCACHED_IDLE_TRIM_S            5        0..604800      trim the reserve after this long idle
+                                                        (0: never)
+KVCACHED_IDLE_KEEP_PAGES        0        0..65536       reserved pages the idle trim leaves
+KVCACHED_MEMORY_LIMIT           none     0..1 EiB       cap on mapped KV bytes per pool (2G)
+KVCACHED_GPU_UTILIZATION        0.95     0.05..1        leave (1-x) of the memory free
+KVCACHED_DEVICE_BUDGET          none     0..1 EiB,      KV bytes all engines of this user may
+                                         0..100%        map on a device together (2G, 40%);
+                                                        see ipc.budget
+KVCACHED_MAX_CACHED_TOKENS      8192     -1..2^31-1     prefix-cached tokens kept (-1: no cap)
+KVCACHED_IPC_TIMEOUT_S          60       0.001..86400   bound on one call to the workers
+KVCACHED_IPC_CONNECT_TIMEOUT_S  60       0..86400       bound on connecting to a worker
+==============================  =======  =============  ======================================
+
+Every numeric setting has an accepted range (:data:`RANGES`, the README's
+settings table lists the same); a value outside it, a non-finite one or one
+too large to represent is a :class:`KVCachedConfigError` naming the variable
+and the value, raised when the setting is read.
+"""
 
 from __future__ import annotations
 
