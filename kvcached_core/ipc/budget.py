@@ -61,7 +61,7 @@ from pathlib import Path
 
 from kvcached_core.errors import IPCError, KVCachedConfigError
 from kvcached_core.ipc import paths
-from kvcached_core.ipc.shm import shm_dir
+from kvcached_core.ipc.shm import MappedRecord, read_records, shm_dir, text_field
 
 __all__ = [
     "BUDGET_PREFIX",
@@ -182,7 +182,7 @@ class BudgetReading:
         return self.capacity != NO_BUDGET
 
 
-class BudgetRecord:
+class BudgetRecord(MappedRecord):
     """An open budget record (created if missing). Use :meth:`open`.
 
     Raises:
@@ -201,28 +201,21 @@ class BudgetRecord:
     def open(cls, key: str, directory: str | os.PathLike[str] | None = None, *,
              create: bool = True) -> BudgetRecord:
         """Open (and with ``create`` make) the record of device ``key``."""
-        path = budget_path(key, directory)
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as exc:
-            raise IPCError(f"cannot open budget record {path}: {exc.strerror or exc}") from exc
-        try:
-            return cls._attach(path, fd, key)
-        except BaseException:
-            os.close(fd)
-            raise
+        return cls._open(budget_path(key, directory), os.O_CREAT if create else 0, key)
 
     @classmethod
     def open_path(cls, path: str | os.PathLike[str]) -> BudgetRecord:
         """Open an existing record by its file name (``kvctl``)."""
-        path = Path(path)
+        return cls._open(Path(path), 0, None)
+
+    @classmethod
+    def _open(cls, path: Path, flags: int, key: str | None) -> BudgetRecord:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o600)
         except OSError as exc:
             raise IPCError(f"cannot open budget record {path}: {exc.strerror or exc}") from exc
         try:
-            return cls._attach(path, fd, None)
+            return cls._attach(path, fd, key)
         except BaseException:
             os.close(fd)
             raise
@@ -352,34 +345,18 @@ class BudgetRecord:
                     continue
                 off = _HEAD_BYTES + s * _SLOT_BYTES + _S_NAME
                 slots.append(SlotReading(
-                    slot=s, pid=pid, name=_name(mm[off:off + _NAME]), mapped=w[b + _S_MAPPED],
+                    slot=s, pid=pid, name=text_field(mm[off:off + _NAME]), mapped=w[b + _S_MAPPED],
                     alive=_alive(pid, w[b + _S_START]), heartbeat_ns=w[b + _S_BEAT],
                     misses=w[b + _S_MISSES], given_bytes=w[b + _S_GIVEN],
                     givebacks=w[b + _S_GIVES], last_giveback_ns=w[b + _S_LAST_LAT],
                     max_giveback_ns=w[b + _S_MAX_LAT]))
             return BudgetReading(
-                path=os.fspath(self.path), device=_name(mm[_OFF_DEV:_OFF_DEV + _NAME]),
+                path=os.fspath(self.path), device=text_field(mm[_OFF_DEV:_OFF_DEV + _NAME]),
                 capacity=w[_CAP], device_total=w[_DEV_TOTAL],
                 mapped=sum(s.mapped for s in slots if s.alive), pressure_gen=w[_P_GEN],
                 pressure_bytes=w[_P_BYTES], pressure_slot=w[_P_SLOT], pressure_ns=w[_P_NS],
                 slots=tuple(slots))
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            self._w.release()
-            self._mm.close()
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> BudgetRecord:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _name(raw: bytes) -> str:
-    return bytes(raw).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
 def _leave(record: BudgetRecord, slot: int, pid: int) -> None:
@@ -525,19 +502,4 @@ class BudgetSlot:
 
 def list_budgets(directory: str | os.PathLike[str] | None = None) -> list[BudgetReading]:
     """Every readable budget record of this user; foreign or corrupt files are skipped."""
-    root = Path(directory) if directory is not None else shm_dir()
-    prefix = f"{BUDGET_PREFIX}u{os.getuid()}."
-    found = []
-    try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return found
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        try:
-            with BudgetRecord.open_path(root / name) as rec:
-                found.append(rec.read())
-        except IPCError:
-            continue
-    return found
+    return read_records(directory, f"{BUDGET_PREFIX}u{os.getuid()}.", BudgetRecord.open_path)

@@ -48,6 +48,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvcached_core.config import MAX_SIZE
 from kvcached_core.env import shown
@@ -135,11 +136,36 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _name(raw: bytes) -> str:
+def text_field(raw: bytes) -> str:
+    """A NUL-padded name field of a record as text."""
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-class PoolView:
+class MappedRecord:
+    """A record file mapped into this process: ``close`` and the context manager.
+
+    Subclasses set ``_fd`` (``-1`` once closed), ``_mm`` (the mapping) and
+    ``_w`` (its int64 ``memoryview``).
+    """
+
+    _fd = -1
+
+    def close(self) -> None:
+        """Unmap and close (idempotent)."""
+        if self._fd >= 0:
+            self._w.release()
+            self._mm.close()
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PoolView(MappedRecord):
     """An open segment: read it, or set its limit. Use :func:`open_pool` to get one.
 
     Raises:
@@ -202,8 +228,8 @@ class PoolView:
         used, reserved, capacity, updated = stats
         mm = self._mm
         return PoolStats(
-            namespace=_name(mm[_OFF_NS:_OFF_NS + _NAME]),
-            pool=_name(mm[_OFF_POOL:_OFF_POOL + _NAME]),
+            namespace=text_field(mm[_OFF_NS:_OFF_NS + _NAME]),
+            pool=text_field(mm[_OFF_POOL:_OFF_POOL + _NAME]),
             pid=w[_PID],
             limit=w[_LIMIT],
             limit_gen=w[_GEN],
@@ -242,21 +268,6 @@ class PoolView:
             self._w[_GEN] += 1
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        """Unmap and close (idempotent)."""
-        if self._fd >= 0:
-            self._w.release()
-            self._mm.close()
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> PoolView:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _unlink_if_owner(path: Path, pid: int, inode: int) -> None:
     if os.getpid() != pid:  # a forked child never removes its parent's segment
@@ -403,23 +414,27 @@ def list_pools(
     Files that are not kvcached segments, belong to other users or vanish
     while being read are skipped.
     """
-    root = Path(directory) if directory is not None else shm_dir()
     prefix = PREFIX if namespace is None else f"{PREFIX}{paths.check_name(namespace)}."
-    found: list[PoolStats] = []
+    return [stats for stats in read_records(directory, prefix, PoolView)
+            if namespace is None or stats.namespace == namespace]
+
+
+def read_records(directory: str | os.PathLike[str] | None, prefix: str,
+                 opener: Any) -> list[Any]:
+    """``opener(path).read()`` of every file named ``prefix...`` in ``directory``
+    (default :func:`shm_dir`), sorted by name; files it refuses are skipped."""
+    root = Path(directory) if directory is not None else shm_dir()
     try:
-        names = sorted(os.listdir(root))
+        names = sorted(n for n in os.listdir(root) if n.startswith(prefix))
     except FileNotFoundError:
-        return found
+        return []
+    found = []
     for name in names:
-        if not name.startswith(prefix):
-            continue
         try:
-            with PoolView(root / name) as view:
-                stats = view.read()
+            with opener(root / name) as record:
+                found.append(record.read())
         except IPCError:
             continue
-        if namespace is None or stats.namespace == namespace:
-            found.append(stats)
     return found
 
 
