@@ -40,7 +40,7 @@ def wanted_backends() -> set[str]:
 
 
 sources = ["csrc/backend.cpp", "csrc/backend_host.cpp", "csrc/page_mapper.cpp",
-           "csrc/page_server.cpp",
+           "csrc/page_server.cpp", "csrc/faults.cpp",
            "csrc/raw_timing.cpp", "csrc/block_table.cpp",
            "csrc/block_table_type.cpp", "csrc/bindings.cpp"]
 include_dirs = ["csrc"]

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "backend.h"
+#include "faults.h"
 #include "block_table_type.h"
 #include "page_mapper.h"
 #include "page_server.h"
@@ -235,4 +236,40 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("mapper"), py::arg("pages"),
       "Per-call microseconds of the page mapper's own map/unmap, timed in C++.");
+
+  m.def(
+      "_arm_faults",
+      [](const std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t, std::string,
+                                      double>>& rules) {
+        std::vector<faults::Rule> out;
+        for (const auto& [site, first, last, action, seconds] : rules) {
+          faults::Rule r{};
+          if (site == "map") r.site = faults::Site::kMap;
+          else if (site == "create") r.site = faults::Site::kCreate;
+          else if (site == "ipc") r.site = faults::Site::kIpc;
+          else throw py::value_error("unknown native fault site " + site);
+          if (action == "fail") r.action = faults::Action::kFail;
+          else if (action == "stall") r.action = faults::Action::kStall;
+          else if (action == "kill") r.action = faults::Action::kKill;
+          else throw py::value_error("unknown fault action " + action);
+          r.first = first;
+          r.last = last;
+          r.seconds = seconds;
+          out.push_back(r);
+        }
+        faults::arm(std::move(out));
+      },
+      py::arg("rules"),
+      "Arm native fault rules (site, first, last, action, seconds); [] disarms. "
+      "Use kvcached_core.faults.configure().");
+  m.def("_fault_counts", []() {
+    py::dict out;
+    const auto c = faults::counts();
+    for (int i = 0; i < faults::kNumSites; ++i)
+      out[faults::site_name(static_cast<faults::Site>(i))] = c[i];
+    return out;
+  }, "Calls counted at each native fault site since the rules were armed.");
+  m.def("_faults_armed", []() { return faults::g_armed.load(); });
+  // KVCACHED_FAULTS is read once, here, when the module loads.
+  py::module_::import("kvcached_core.faults").attr("_arm_native")(m);
 }

@@ -1,5 +1,7 @@
 #include "page_mapper.h"
 
+#include "faults.h"
+
 #include <unistd.h>
 
 #include <limits>
@@ -57,6 +59,12 @@ struct MapperCore {
       Handle h = pool.back();
       pool.pop_back();
       return h;
+    }
+    std::uint64_t call = 0;
+    if (faults::hit(faults::Site::kCreate, &call) == faults::Action::kFail) {
+      throw Error(ErrorKind::kOutOfMemory,
+                  "injected fault (KVCACHED_FAULTS): handle create call " + std::to_string(call) +
+                      " fails");
     }
     Handle h = backend->create(page_size);
     ++handles_created;
@@ -305,6 +313,11 @@ PageGroup::PageGroup(PageMapper mapper, std::vector<std::shared_ptr<VirtualTenso
 void PageMapper::map_checked(const std::vector<std::shared_ptr<VirtualTensor>>& tensors,
                              const std::vector<std::int64_t>& pages, bool with_tensors) {
   core_->check_process();
+  std::uint64_t call = 0;
+  if (faults::hit(faults::Site::kMap, &call) == faults::Action::kFail) {
+    throw Error(ErrorKind::kOutOfMemory,
+                "injected fault (KVCACHED_FAULTS): map call " + std::to_string(call) + " fails");
+  }
   std::lock_guard<std::mutex> lock(core_->mu);
   check_batch(core_.get(), tensors, pages, false, with_tensors);
   const std::size_t ps = core_->page_size;

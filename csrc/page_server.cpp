@@ -1,5 +1,7 @@
 #include "page_server.h"
 
+#include "faults.h"
+
 #include <sys/socket.h>
 #include <sys/types.h>
 
@@ -259,6 +261,9 @@ std::string PageServer::serve(int fd) {
                                h.type == static_cast<std::uint8_t>(PageOp::kQuery) ||
                                h.type == static_cast<std::uint8_t>(PageOp::kMemInfo));
     if (!page_request || h.status != 0 || h.text_len != 0 || !has_group(h.group)) return frame;
+    // An injected IPC failure drops the connection without a reply, as a
+    // crashed or wedged worker would; a stall delays the reply.
+    if (faults::hit(faults::Site::kIpc) == faults::Action::kFail) return {};
     pages.resize(h.count);
     if (h.count) std::memcpy(pages.data(), frame.data() + kHeaderSize, 8 * h.count);
     try {

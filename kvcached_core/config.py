@@ -19,6 +19,8 @@ KVCACHED_DEVICE_BUDGET          none     0..1 EiB,      KV bytes all engines of 
 KVCACHED_MAX_CACHED_TOKENS      8192     -1..2^31-1     prefix-cached tokens kept (-1: no cap)
 KVCACHED_IPC_TIMEOUT_S          60       0.001..86400   bound on one call to the workers
 KVCACHED_IPC_CONNECT_TIMEOUT_S  60       0..86400       bound on connecting to a worker
+KVCACHED_FAULTS                 off      rules          fault injection for tests
+                                                        (see kvcached_core.faults)
 ==============================  =======  =============  ======================================
 
 Every numeric setting has an accepted range (:data:`RANGES`, the README's

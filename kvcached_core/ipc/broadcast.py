@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcached_core import faults as _faults
 from kvcached_core.config import DEFAULT_IPC_TIMEOUT_S, check_range, env_setting
 from kvcached_core.errors import IPCError, ProtocolError, WorkerError, WorkerOutOfMemoryError
 from kvcached_core.ipc import paths
@@ -269,6 +270,9 @@ class WorkerGroup:
         """
         with self._lock:
             self._prepare()
+            if _faults.ACTIVE is not None and _faults.ACTIVE.hit("call") == "fail":
+                raise self._fail({0: ("injected fault (KVCACHED_FAULTS): the connection broke",
+                                      True)}, False)
             request_id = self._next_id
             self._next_id += 1
             frame = encode_request(type, request_id, group, values)

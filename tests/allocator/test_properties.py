@@ -10,6 +10,14 @@ The machine drives a real host-backend stack and checks after every step:
 * ``available_size()`` is never optimistic: ``alloc(available_size())`` works;
 * after freeing everything and trimming, nothing is mapped but the null
   block's page 0 (nothing at all without a null block).
+
+:class:`BackgroundMachine` runs the same rules with the background thread
+refilling a reserve, limits changed while it works, and maps that fail
+(injected with :func:`kvcached_core.faults.configure`): the invariants are
+checked once the thread is idle, and a failed map changes nothing.
+
+Example counts come from the Hypothesis profile (tests/conftest.py):
+``KVCACHED_HYPOTHESIS_PROFILE=nightly`` runs many more than the default ``ci``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvcached_core import faults
 from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
 from kvcached_core.errors import KVCachedConfigError, MappingError
 
@@ -175,10 +184,87 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.under_limit = st_.mapped <= st_.limit_pages
 
 
-AllocatorMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+class BackgroundMachine(AllocatorMachine):
+    """The rules above with a background thread keeping a reserve, and failing maps."""
+
+    @initialize(
+        geometry=st.sampled_from(GEOMETRIES),
+        null=st.booleans(),
+        max_reserved=st.integers(1, 3),
+    )
+    def build(self, geometry, null, max_reserved):
+        faults.configure(None)
+        layers, buffers, contiguous, block, offset = geometry
+        layout = KVLayout(layers, NUM_PAGES * PAGE, PAGE, buffers, contiguous)
+        self.kv = KVTensors.open("cpu", layout)
+        self.pa = PageAllocator(self.kv, settings=QUIET, prealloc=True, min_reserved=1,
+                                max_reserved=max_reserved, mem_info_ttl_s=0.0)
+        self.bm = KVBlockManager(self.pa, block, reserve_null_block=null, block_offset=offset)
+        self.block, self.offset = block, offset
+        self.null = null
+        self.max_reserved = max_reserved
+        self.held: set[int] = set()
+        self.under_limit = True
+        self.pa.wait_idle(5)
+
+    def teardown(self):
+        faults.configure(None)
+        if hasattr(self, "pa"):
+            self.pa.set_memory_limit(None)
+            self.pa.wait_idle(5)
+        super().teardown()
+
+    @rule(n=st.integers(1, 24))
+    def alloc(self, n):
+        before = self.bm.num_allocated
+        got = self.bm.alloc(n)
+        if got is None:  # the thread may have used room since a reading: no promise here
+            assert self.bm.num_allocated == before
+            return
+        self.take(got, n)
+
+    @rule()
+    def alloc_all_available(self):
+        self.pa.wait_idle(5)
+        n = self.bm.available_size()
+        got = self.bm.alloc(n)
+        assert got is not None, f"available_size() promised {n} blocks"
+        self.take(got, n)
+
+    @rule(failing=st.integers(1, 4), n=st.integers(1, 24), pages=st.integers(0, NUM_PAGES))
+    def maps_fail_while_the_limit_moves(self, failing, n, pages):
+        """The next maps fail (the thread's or ours) while a live limit change is applied."""
+        faults.configure(f"map:1-{failing}:fail")
+        try:
+            self.pa.set_memory_limit(pages * self.pa.page_bytes)
+            before = self.bm.num_allocated
+            got = self.bm.alloc(n)
+            if got is None:
+                assert self.bm.num_allocated == before
+            else:
+                self.take(got, n)
+            self.pa.wait_idle(5)
+        finally:
+            faults.configure(None)
+        self.under_limit = False
+
+    @invariant()
+    def settled(self):
+        assert self.pa.wait_idle(5), "the background thread did not settle"
+
+    @invariant()
+    def pages_agree(self):
+        self.pa.wait_idle(5)
+        super().pages_agree()
+
+    @invariant()
+    def within_limit(self):
+        self.pa.wait_idle(5)
+        super().within_limit()
+
+
+_SETTINGS = settings(settings.default, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+AllocatorMachine.TestCase.settings = _SETTINGS
+BackgroundMachine.TestCase.settings = _SETTINGS
 TestAllocatorMachine = AllocatorMachine.TestCase
+TestBackgroundMachine = BackgroundMachine.TestCase
