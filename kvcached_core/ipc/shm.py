@@ -26,6 +26,21 @@ Layout (native byte order; the file never leaves the machine)::
                         percentages)
         96 namespace    owner, 64 bytes, NUL padded
        160 pool         owner, 64 bytes, NUL padded
+       224 mapped i64   owner: bytes backed now (in use, reserve, in flight), under the
+                        seqlock with used..updated_ns
+       232 map_bytes    owner: bytes mapped since creation (kvtop's map rate)
+       240 unmap_bytes  owner: bytes unmapped since creation
+       256 map latency histogram: LATENCY_BUCKETS counts (per bucket, not
+           cumulative; the last is +Inf), then sum_ns and count
+       384 unmap latency histogram, the same
+       512 end (a segment of 256 bytes, from before the histograms, reads as
+           mapped = used + reserved and empty histograms)
+
+The histograms time every map and unmap call the pool's allocator makes (a
+batch of pages on every worker, measured by the process that maps: the
+scheduler of a vLLM engine, the scheduler of each SGLang rank); the owner
+writes a bucket, then the sum, then the count, so a reader never sees a count
+ahead of its buckets.
 
 Concurrency: the owner is the only writer of the stats block and publishes it
 under the seqlock, so a reader gets a consistent (used, reserved, capacity,
@@ -56,8 +71,10 @@ from kvcached_core.errors import IPCError, KVCachedConfigError
 from kvcached_core.ipc import paths
 
 __all__ = [
+    "LATENCY_BUCKETS",
     "NO_LIMIT",
     "PREFIX",
+    "Latency",
     "PoolStats",
     "PoolView",
     "PoolSegment",
@@ -71,7 +88,15 @@ __all__ = [
 
 MAGIC = b"KVCPOOL\0"
 VERSION = 1
-SIZE = 256
+SIZE = 512
+_BASE_SIZE = 256  # segments written before the histograms (same version)
+#: Upper bounds (seconds) of the map / unmap latency histogram buckets; +Inf follows.
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                   0.5, 1.0)
+_NB = len(LATENCY_BUCKETS) + 1
+_MAPPED, _MAP_BYTES, _UNMAP_BYTES = 28, 29, 30
+_HIST_MAP, _HIST_UNMAP = 32, 48  # word index of each histogram: _NB buckets, sum_ns, count
+assert _HIST_UNMAP + _NB + 2 == SIZE // 8 and _HIST_MAP + _NB + 2 == _HIST_UNMAP
 NO_LIMIT = -1
 PREFIX = "kvcached."
 
@@ -103,6 +128,23 @@ def segment_path(namespace: str, pool: str, directory: str | os.PathLike[str] | 
 
 
 @dataclass(frozen=True)
+class Latency:
+    """A latency histogram: per-bucket counts (bounds :data:`LATENCY_BUCKETS`, then +Inf)."""
+
+    buckets: tuple[int, ...] = (0,) * _NB
+    sum_ns: int = 0
+    count: int = 0
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound in seconds, count <= bound)`` pairs, ending with ``inf``."""
+        out, total = [], 0
+        for bound, n in zip((*LATENCY_BUCKETS, float("inf")), self.buckets):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+@dataclass(frozen=True)
 class PoolStats:
     """One reading of a pool's segment."""
 
@@ -119,6 +161,11 @@ class PoolStats:
     path: str
     alive: bool
     device_total: int = 0
+    mapped: int = 0
+    map_bytes: int = 0
+    unmap_bytes: int = 0
+    map_latency: Latency = Latency()
+    unmap_latency: Latency = Latency()
 
     @property
     def has_limit(self) -> bool:
@@ -191,17 +238,23 @@ class PoolView(MappedRecord):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.getuid(), 0):
                 raise IPCError(f"{self.path} is not a regular file of this user")
-            if st.st_size < SIZE:
+            if st.st_size < _BASE_SIZE:
                 raise IPCError(f"{self.path} is {st.st_size} bytes, not a kvcached segment")
-        mm = mmap.mmap(fd, SIZE)
+            length = SIZE if st.st_size >= SIZE else _BASE_SIZE
+        else:
+            length = SIZE
+        mm = mmap.mmap(fd, length)
         if check:
-            magic, version, _size = _HEAD.unpack_from(mm)
+            magic, version, size = _HEAD.unpack_from(mm)
             if magic != MAGIC or version != VERSION:
                 mm.close()
                 raise IPCError(
                     f"{self.path} is not a kvcached pool segment of version {VERSION} "
                     f"(magic {magic!r}, version {version})"
                 )
+            if size < SIZE:
+                length = _BASE_SIZE
+        self._full = length >= SIZE
         self._mm = mm
         self._w = memoryview(mm).cast("q")  # int64 words: one 8-byte copy per access
 
@@ -212,6 +265,7 @@ class PoolView(MappedRecord):
         while True:
             s1 = w[_SEQ]
             stats = w[_USED:_UPDATED + 1].tolist()
+            mapped = w[_MAPPED] if self._full else stats[0] + stats[1]
             if not s1 & 1 and w[_SEQ] == s1:
                 break
             now = time.monotonic()
@@ -241,7 +295,19 @@ class PoolView(MappedRecord):
             path=os.fspath(self.path),
             alive=_pid_alive(w[_PID]),
             device_total=w[_DEV_TOTAL],
+            mapped=mapped,
+            map_bytes=w[_MAP_BYTES] if self._full else 0,
+            unmap_bytes=w[_UNMAP_BYTES] if self._full else 0,
+            map_latency=self._latency(_HIST_MAP),
+            unmap_latency=self._latency(_HIST_UNMAP),
         )
+
+    def _latency(self, base: int) -> Latency:
+        if not self._full:
+            return Latency()
+        w = self._w
+        count = w[base + _NB + 1]  # the count first: buckets are written before it
+        return Latency(tuple(w[base:base + _NB].tolist()), w[base + _NB], count)
 
     @property
     def limit(self) -> int:
@@ -360,9 +426,11 @@ class PoolSegment(PoolView):
         raise IPCError(f"cannot create segment {path}: it keeps reappearing")
 
     def update(
-        self, *, used: int | None = None, reserved: int | None = None, capacity: int | None = None
+        self, *, used: int | None = None, reserved: int | None = None,
+        capacity: int | None = None, mapped: int | None = None,
     ) -> None:
-        """Publish new byte counts (fields left ``None`` keep their value).
+        """Publish new byte counts (fields left ``None`` keep their value; ``mapped``
+        defaults to ``used + reserved``).
 
         Not thread-safe: call it from one thread, or under the allocator's lock.
         """
@@ -377,9 +445,25 @@ class PoolSegment(PoolView):
         seq = self._seq + 1
         w[_SEQ] = seq  # odd: writing
         w[_USED], w[_RESERVED], w[_CAPACITY] = stats
+        w[_MAPPED] = stats[0] + stats[1] if mapped is None else mapped
         w[_UPDATED] = time.time_ns()
         self._seq = seq + 1
         w[_SEQ] = seq + 1  # even: published
+
+    def observe(self, kind: str, seconds: float, nbytes: int) -> None:
+        """Count one map (``kind="map"``) or unmap call of ``nbytes`` that took ``seconds``.
+
+        Not thread-safe, like :meth:`update`.
+        """
+        base, total = (_HIST_MAP, _MAP_BYTES) if kind == "map" else (_HIST_UNMAP, _UNMAP_BYTES)
+        w = self._w
+        i = 0
+        while i < _NB - 1 and seconds > LATENCY_BUCKETS[i]:
+            i += 1
+        w[base + i] += 1
+        w[base + _NB] += max(0, int(seconds * 1e9))
+        w[base + _NB + 1] += 1
+        w[total] += max(0, int(nbytes))
 
     def set_device_total(self, total: int) -> None:
         """Record the size of the pool's device (``kvctl limit 40%`` takes a share of it)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from kvcached_sglang.leakcheck import in_leak_check_view
 __all__ = [
     "ElasticKV",
     "elastic_of",
+    "sglang_namespace",
     "ALLOCATOR_METHODS",
     "PAGED_ALLOCATOR_METHODS",
     "BACKUP_METHODS",
@@ -103,6 +105,7 @@ class ElasticKV:
             self.pages, block_bytes, num_blocks=self.num_blocks, reserve_null_block=True
         )
         self._backups: list[set[int]] = []  # open backup_state() journals
+        self.namespace, self.segment = _publish(self, layout.total_bytes)
         _log.info(
             "kvcached: elastic SGLang %s pool: %d tokens (page %d) x %d layers x %d buffers, "
             "%.1f MiB virtual, backed on demand in %d-byte pages",
@@ -207,6 +210,79 @@ class ElasticKV:
     def close(self) -> None:
         """Stop kvcached's background work for this pool (tests; SGLang never calls it)."""
         self.pages.close()
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
+_POOL_NAMES: set[str] = set()
+
+
+def sglang_namespace() -> str:
+    """The IPC namespace of this SGLang engine: ``KVCACHED_IPC_NAME`` when set, else
+    ``sglang-<pid>`` of the process that launched the engine's schedulers (every rank
+    of one engine shares it)."""
+    import os
+
+    from kvcached_core.ipc.paths import namespace
+
+    return namespace(f"sglang-{os.getppid()}")
+
+
+def _rank() -> int:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:
+        pass
+    return 0
+
+
+def _publish(state: ElasticKV, capacity: int) -> tuple[str | None, Any]:
+    """Publish ``state``'s pool like a vLLM engine's: a shared-memory segment that
+    ``kvctl`` / ``kvtop`` / Prometheus read, through which ``kvctl limit`` reaches it.
+
+    The pool is named ``<kind>-tp<rank>`` (``mha-tp0``), with ``.1``, ``.2``, ...
+    for further pools of one process. Without a segment the pool still works.
+    """
+    from kvcached_core.errors import IPCError
+    from kvcached_core.ipc.publish import publish_pool
+    from kvcached_core.ipc.shm import PoolSegment
+
+    try:
+        ns = sglang_namespace()
+        base = f"{state.name}-tp{_rank()}"
+        name, k = base, 0
+        while name in _POOL_NAMES:
+            k += 1
+            name = f"{base}.{k}"
+        segment = PoolSegment.create(ns, name, capacity=capacity)
+        _POOL_NAMES.add(name)
+        weakref.finalize(segment, _POOL_NAMES.discard, name)
+    except (IPCError, KVCachedConfigError, OSError) as exc:
+        _log.warning("kvcached: no shared-memory segment for kvctl (%s)", exc)
+        return None, None
+    try:
+        segment.set_device_total(_device_total(state.kv))
+        state.pages.watch_limit(publish_pool(state.kv, state.pages, segment))
+    except Exception:
+        segment.close()
+        raise
+    return ns, segment
+
+
+def _device_total(kv: Any) -> int:
+    import os
+
+    try:
+        if not kv.device.is_gpu:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(kv.mapper.mem_info()[1])
+    except Exception:
+        return 0
 
 
 def _kvcached_device(device: Any) -> str:

@@ -39,7 +39,16 @@ elastic-kv-tensors-v2                  all (GPU)     V2 runner's ``init_kv_cache
 elastic-allocate-kv-cache-v2           >= 0.29       V2: ``allocate_kv_cache``'s buffer from kvcached
 elastic-allocate-kv-cache-v2-raw       < 0.29        V2: ``_allocate_kv_cache`` ditto
 warmup-window                          all (GPU)     pages of the warm-up's made-up requests
+kvcached-metrics                       all           ``/metrics`` shows kvcached's pools
 =====================================  ============  ==========================================
+
+``kvcached-metrics`` adds :class:`kvcached_core.metrics.KVCachedCollector` to
+the registry ``get_prometheus_registry`` returns to the API server (a fresh
+one over ``PROMETHEUS_MULTIPROC_DIR`` in multi-process mode, which vLLM's
+server always uses): the collector reads the shared-memory records at every
+scrape, so no value has to cross processes through vLLM's multi-process files.
+The API server imports the instrumentator module that copies the function's
+name only when it builds its app, after the plugin has run.
 """
 
 from __future__ import annotations
@@ -301,6 +310,23 @@ def wrap_compile_or_warm_up_model(original: Any) -> Any:
     return compile_or_warm_up_model
 
 
+def wrap_get_prometheus_registry(original: Any) -> Any:
+    """The registry vLLM's ``/metrics`` serves, with kvcached's collector added once."""
+
+    @functools.wraps(original)
+    def get_prometheus_registry(*args: Any, **kwargs: Any) -> Any:
+        registry = original(*args, **kwargs)
+        try:
+            from kvcached_core.metrics import register
+
+            register(registry)
+        except Exception:  # metrics must never stop the server
+            log.warning("kvcached: cannot add kvcached's metrics to /metrics", exc_info=True)
+        return registry
+
+    return get_prometheus_registry
+
+
 def _wrap_allocation(original: Any) -> Any:
     from kvcached_vllm.worker import call_with_backing, current_backing
 
@@ -381,6 +407,10 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
                   name="elastic-allocate-kv-cache-tensors",
                   description="V1: per-layer KV buffers reserved by kvcached"),
     ]
+    patches.append(_deferred(
+        "vllm.v1.metrics.prometheus:get_prometheus_registry", versions=ALL,
+        wrapper=wrap_get_prometheus_registry, name="kvcached-metrics",
+        description="/metrics shows kvcached's pools and map/unmap latency"))
     if not cpu:  # the V2 runner and the GPU worker's warm-up
         patches += [
             _deferred("vllm.v1.worker.gpu.model_runner:init_kv_cache", versions=ALL,

@@ -55,6 +55,7 @@ from kvcached_core.errors import IPCError, KVCachedConfigError
 from kvcached_core.ipc import PoolSegment, RemoteKVTensors, namespace_endpoints
 from kvcached_core.ipc.budget import BudgetRecord, BudgetSlot, device_key
 from kvcached_core.ipc.paths import accepts_connections
+from kvcached_core.ipc.publish import publish_pool
 
 from kvcached_vllm.geometry import KVGeometry, block_offset_for
 
@@ -128,22 +129,6 @@ class ElasticRuntime:
         if self.budget is not None:
             self.budget.close()
             self.budget.record.close()
-
-
-def _publisher(pages: PageAllocator, segment: PoolSegment) -> Any:
-    """After each map / unmap: publish the pool's bytes (limits arrive through the
-    page allocator's background poll, :meth:`PageAllocator.watch_limit`)."""
-    lock = threading.Lock()  # the segment has one writer at a time
-
-    def publish() -> None:
-        try:
-            with lock:
-                st = pages.stats()
-                segment.update(used=st.in_use * st.page_bytes, reserved=st.reserved * st.page_bytes)
-        except Exception:  # accounting must never break scheduling
-            log.debug("kvcached: publishing pool stats failed", exc_info=True)
-
-    return publish
 
 
 def _device_total(device: Device, tensors: RemoteKVTensors) -> int:
@@ -252,8 +237,8 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | No
     try:
         segment = PoolSegment.create(ns, "kv0", capacity=layout.total_bytes)
         segment.set_device_total(total)
-        tensors.on_change = _publisher(pages, segment)
-        pages.watch_limit(segment)
+        # Usage, map / unmap latency for kvctl, kvtop and /metrics; limits from kvctl.
+        pages.watch_limit(publish_pool(tensors, pages, segment))
     except (IPCError, OSError) as exc:
         log.warning("kvcached: no shared-memory segment for kvctl (%s)", exc)
     blocks = KVBlockManager(pages, geo.block_bytes, num_blocks=geo.num_blocks,

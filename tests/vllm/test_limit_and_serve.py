@@ -109,6 +109,7 @@ def test_vllm_serve_answers_openai_requests(tiny_model, tmp_path: Path):
 
         with KVMemoryMonitor(ns, page_bytes=PAGE_BUNDLE) as mon:
             assert mon.read()[0].mapped_pages >= 1  # the engine's KV cache is kvcached's
+        _check_metrics_and_views(base, ns)
     finally:
         proc.terminate()
         try:
@@ -116,3 +117,48 @@ def test_vllm_serve_answers_openai_requests(tiny_model, tmp_path: Path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def _metric(text: str, name: str, ns: str, extra: str = "") -> float:
+    """The value of ``name{...namespace="ns"...extra}`` in a Prometheus exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'namespace="{ns}"' in line and extra in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} of {ns} not in /metrics:\n" +
+                         "\n".join(x for x in text.splitlines() if "kvcached" in x))
+
+
+def _check_metrics_and_views(base: str, ns: str) -> None:
+    """vLLM's own /metrics shows the pool (gauges, map/unmap latency histograms);
+    kvctl status --json and kvtop --once show it too, without a device context."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert "vllm:" in text  # vLLM's own metrics are still there
+    assert _metric(text, "kvcached_pool_mapped_bytes", ns) >= PAGE_BUNDLE
+    assert _metric(text, "kvcached_pool_capacity_bytes", ns) >= PAGE_BUNDLE
+    _metric(text, "kvcached_pool_used_bytes", ns)
+    _metric(text, "kvcached_pool_reserved_bytes", ns)
+    maps = _metric(text, "kvcached_pool_map_latency_seconds_count", ns)
+    assert maps >= 1
+    assert _metric(text, "kvcached_pool_map_latency_seconds_bucket", ns, 'le="+Inf"') == maps
+    assert _metric(text, "kvcached_pool_map_bytes_total", ns) >= PAGE_BUNDLE
+    _metric(text, "kvcached_pool_unmap_latency_seconds_count", ns)
+
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-m", "kvcached_core.cli.kvctl", "status", "--json",
+                          "--namespace", ns], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    pools = [p for d in status["devices"] for e in d["engines"] if e["namespace"] == ns
+             for p in e["pools"]]
+    assert pools and pools[0]["mapped"] >= PAGE_BUNDLE and pools[0]["map_latency"]["count"] >= 1
+    probe = ("import sys; from kvcached_core.cli.kvtop import main; rc = main(['--once', "
+             f"'--namespace', '{ns}']); "
+             "maps = open('/proc/self/maps').read(); "
+             "assert 'torch' not in sys.modules and 'libcuda' not in maps "
+             "and 'libamdhip' not in maps, 'kvtop loaded a device library'; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", probe], env=dict(env, COLUMNS="200"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ns in out.stdout and "kv0" in out.stdout
