@@ -369,8 +369,11 @@ class WorkerGroup:
         try:
             sock.sendall(encode_request(MsgType.HELLO, 0, 0, (ep.rank, ep.pp_stage, os.getpid())))
             reply = read_message(sock)
-        except (OSError, EOFError, ProtocolError) as exc:
-            raise fail(f"handshake failed: {exc or type(exc).__name__}") from None
+        except (EOFError, ConnectionResetError, BrokenPipeError):
+            raise fail(f"the worker closed the connection during the handshake"
+                       f"{_process_hint(pid)}") from None
+        except (OSError, ProtocolError) as exc:
+            raise fail(f"handshake failed: {exc or type(exc).__name__}{_process_hint(pid)}") from None
         if not reply.is_reply or reply.type is not MsgType.HELLO or reply.status != Status.OK:
             raise fail(f"bad handshake reply: {reply.text or reply}")
         said = tuple(reply.values[:2])

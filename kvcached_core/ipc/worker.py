@@ -34,7 +34,9 @@ comes here.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing.util
 import os
 import selectors
 import socket
@@ -42,6 +44,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from pathlib import Path
@@ -260,6 +263,7 @@ class WorkerListener:
             name=f"kvcached-ipc-pp{self.pp_stage}-tp{self.rank}", daemon=True,
         )
         self._thread.start()
+        _close_at_exit(self)
         return self
 
     def _remove_stale(self) -> None:
@@ -426,3 +430,21 @@ class WorkerListener:
             return True
         except OSError:
             return False
+
+
+def _close_at_exit(listener: WorkerListener) -> None:
+    """Close ``listener`` (removing its socket file) when the process ends normally.
+
+    Engines run their workers as multiprocessing children, whose exit runs
+    multiprocessing's finalizers but, after a fork, not ``atexit``: both are
+    registered. Neither keeps the listener alive; closing twice is harmless.
+    """
+    ref = weakref.ref(listener)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close(timeout=1.0)
+
+    atexit.register(close)
+    multiprocessing.util.Finalize(None, close, exitpriority=1)

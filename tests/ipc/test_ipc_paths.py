@@ -143,3 +143,28 @@ def test_unsafe_shm_dir_error_names_the_variable(ipc_base, monkeypatch):
     monkeypatch.setenv("KVCACHED_SHM_DIR", str(link))
     with pytest.raises(IPCError, match=r"KVCACHED_SHM_DIR=.*symbolic link"):
         shm.shm_dir()
+
+
+def _serve_and_return(path: str) -> None:
+    WorkerListener(path, lambda *a: None, rank=0).start()
+
+
+@pytest.mark.parametrize("how", ["interpreter", "fork", "spawn"])
+def test_a_worker_that_exits_removes_its_socket(ipc_base, how):
+    """Engines end their workers by letting them exit: the socket file goes with them."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    path = ipc_base / f"exit-{how}.sock"
+    if how == "interpreter":
+        code = ("from kvcached_core.ipc import WorkerListener; "
+                f"WorkerListener({str(path)!r}, lambda *a: None, rank=0).start()")
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    else:  # multiprocessing children skip atexit after a fork; its finalizers still run
+        child = multiprocessing.get_context(how).Process(target=_serve_and_return,
+                                                         args=(str(path),))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+    assert not path.exists()

@@ -43,6 +43,13 @@ def elastic(tiny_model):
 
         with KVMemoryMonitor(ns, page_bytes=PAGE * NUM_LAYERS) as mon:
             yield llm, mon
+    # vLLM lets its workers exit: each removes its socket on the way out.
+    from kvcached_core.ipc import paths
+
+    deadline = time.monotonic() + 10
+    while list(paths.namespace_dir(ns).glob("*.sock")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not list(paths.namespace_dir(ns).glob("*.sock"))
 
 
 def test_outputs_are_varied(vanilla_tokens):

@@ -105,9 +105,9 @@ def _faulty_engine(tiny_model, tag: str) -> Iterator[tuple]:
 def _leftovers(dirs: list[Path], ns: str) -> list[str]:
     """What an engine left behind (after giving it a moment to exit): a socket some
     process still listens on, or a pool record of its namespace. The user's device
-    budget record is shared by every engine and stays by design (ipc.budget); a socket
-    file nobody listens on is replaced by the next worker (vLLM's shutdown does not
-    give the worker's listener a chance to remove it)."""
+    budget record is shared by every engine and stays by design (ipc.budget). A worker
+    that exits removes its socket (test_engine.py checks it); one these faults leave to
+    be killed cannot, and the next worker replaces a file nobody listens on."""
     deadline = time.monotonic() + 15
     while True:
         left = [f"{p} (still listening)" for p in dirs[0].rglob("*.sock")
