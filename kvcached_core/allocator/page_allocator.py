@@ -692,14 +692,22 @@ class PageAllocator:
         if os.getpid() != self._pid:
             self._closed = True  # a forked child: no thread here, and not our memory
             return
+        self.stop_background(closing=True)
+        self.trim()
+
+    def stop_background(self, *, closing: bool = False) -> None:
+        """Stop the background thread (refills, trims, limit and budget polls); idempotent.
+
+        Mapped pages stay as they are: for a process about to end, whose
+        workers may already be gone (``close`` also unmaps the reserve).
+        """
         with self._cond:
             self._stop = True
-            self._closed = True
+            self._closed = self._closed or closing
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        self.trim()
 
     # ------------------------------------------------------------ internals
 

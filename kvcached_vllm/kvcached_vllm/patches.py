@@ -224,6 +224,23 @@ def wrap_schedule(original: Any) -> Any:
     return schedule
 
 
+def wrap_engine_shutdown(original: Any) -> Any:
+    """The engine core stops: kvcached's shared records go first.
+
+    vLLM then waits for its workers and may kill the engine core before the
+    interpreter exits, which would leave the pool's usage record and its share
+    of the device budget behind.
+    """
+    from kvcached_vllm.scheduler import release_records
+
+    @functools.wraps(original)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        release_records()
+        return original(self, *args, **kwargs)
+
+    return shutdown
+
+
 def wrap_update_from_output(original: Any) -> Any:
     """A step's output arrived: its device work is done, so are the pages it could read."""
 
@@ -384,6 +401,10 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", versions=ALL,
                   wrapper=wrap_update_from_output, name="step-fence-completed",
                   description="a step's output arrived: pages it could read may be unmapped"),
+        _deferred("vllm.v1.engine.core:EngineCore.shutdown", versions=ALL,
+                  wrapper=wrap_engine_shutdown, name="release-records-on-shutdown",
+                  description="the pool's usage record and budget share go before vLLM's "
+                              "teardown"),
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", versions=ALL,
                   wrapper=wrap_locked, name="pool-lock-finish",
                   description="finishing requests frees blocks under the pool's lock"),

@@ -124,11 +124,21 @@ class ElasticRuntime:
         """Stop the background thread and drop the connections (workers keep their memory)."""
         self.pages.close()
         self.tensors.close()
+        self.release_records()
+
+    def release_records(self) -> None:
+        """Remove the pool's usage record and free its budget slot (no worker is asked).
+
+        The page allocator's background thread stops first: it polls both.
+        """
+        self.pages.stop_background()
         if self.segment is not None:
             self.segment.close()
+            self.segment = None
         if self.budget is not None:
             self.budget.close()
             self.budget.record.close()
+            self.budget = None
 
 
 def _device_total(device: Device, tensors: RemoteKVTensors) -> int:
@@ -161,6 +171,15 @@ def _join_budget(device: Device, settings: Any, total: int, name: str) -> Budget
 
 _RUNTIMES: list[ElasticRuntime] = []
 _local = threading.local()
+
+
+def release_records() -> None:
+    """Every runtime of this process releases its shared records (the engine stops)."""
+    for rt in list(_RUNTIMES):
+        try:
+            rt.release_records()
+        except Exception:  # a stopping engine must not fail on bookkeeping
+            log.debug("kvcached: releasing shared records failed", exc_info=True)
 
 
 def runtimes() -> list[ElasticRuntime]:

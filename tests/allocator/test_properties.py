@@ -231,6 +231,41 @@ class BackgroundMachine(AllocatorMachine):
         assert got is not None, f"available_size() promised {n} blocks"
         self.take(got, n)
 
+    # With the thread, whether an allocation lands depends on timing, so the model (held
+    # blocks) may differ between Hypothesis's replays of one choice sequence: here rule
+    # choice and draws must not depend on it (no preconditions; indexes from fixed ranges).
+    @rule(i=st.integers(0, 1 << 16), k=st.integers(1, 8))
+    def free_some(self, i, k):
+        held = sorted(self.held)
+        if held:
+            ids = sorted({held[(i + j * 7) % len(held)] for j in range(k)})
+            self.bm.free(ids)
+            self.held.difference_update(ids)
+
+    @rule(i=st.integers(0, 1 << 16))
+    def free_a_whole_page(self, i):
+        pages = sorted({self.bm.page_of(b) for b in self.held})
+        if pages:
+            page = pages[i % len(pages)]
+            ids = [b for b in self.held if self.bm.page_of(b) == page]
+            self.bm.free(ids)
+            self.held.difference_update(ids)
+
+    @rule(below=st.integers(1, 4))
+    def shrink_below_use(self, below):
+        if self.pa.num_in_use > 1:
+            AllocatorMachine.shrink_below_use(self, below)
+
+    @rule(i=st.integers(0, 1 << 16))
+    def bad_free_changes_nothing(self, i):
+        free_ids = [b for b in range(self.bm.num_blocks) if b not in self.held]
+        if free_ids:
+            ok = sorted(self.held)[:2]
+            before = (self.bm.num_allocated, self.pa.stats())
+            with pytest.raises(MappingError):
+                self.bm.free(ok + [free_ids[i % len(free_ids)]])
+            assert (self.bm.num_allocated, self.pa.stats()) == before
+
     @rule(failing=st.integers(1, 4), n=st.integers(1, 24), pages=st.integers(0, NUM_PAGES))
     def maps_fail_while_the_limit_moves(self, failing, n, pages):
         """The next maps fail (the thread's or ours) while a live limit change is applied."""
