@@ -56,10 +56,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         max_reserved=st.integers(0, 3),
     )
     def build(self, geometry, null, max_reserved):
+        self.make(geometry, null, max_reserved)
+
+    def make(self, geometry, null, max_reserved, **options):
+        """The stack under test; ``options`` go to the page allocator."""
         layers, buffers, contiguous, block, offset = geometry
         layout = KVLayout(layers, NUM_PAGES * PAGE, PAGE, buffers, contiguous)
         self.kv = KVTensors.open("cpu", layout)
-        self.pa = PageAllocator(self.kv, settings=QUIET, max_reserved=max_reserved)
+        self.pa = PageAllocator(self.kv, settings=QUIET, max_reserved=max_reserved, **options)
         self.bm = KVBlockManager(self.pa, block, reserve_null_block=null, block_offset=offset)
         self.block, self.offset = block, offset
         self.null = null
@@ -194,17 +198,8 @@ class BackgroundMachine(AllocatorMachine):
     )
     def build(self, geometry, null, max_reserved):
         faults.configure(None)
-        layers, buffers, contiguous, block, offset = geometry
-        layout = KVLayout(layers, NUM_PAGES * PAGE, PAGE, buffers, contiguous)
-        self.kv = KVTensors.open("cpu", layout)
-        self.pa = PageAllocator(self.kv, settings=QUIET, prealloc=True, min_reserved=1,
-                                max_reserved=max_reserved, mem_info_ttl_s=0.0)
-        self.bm = KVBlockManager(self.pa, block, reserve_null_block=null, block_offset=offset)
-        self.block, self.offset = block, offset
-        self.null = null
-        self.max_reserved = max_reserved
-        self.held: set[int] = set()
-        self.under_limit = True
+        self.make(geometry, null, max_reserved, prealloc=True, min_reserved=1,
+                  mem_info_ttl_s=0.0)
         self.pa.wait_idle(5)
 
     def teardown(self):
