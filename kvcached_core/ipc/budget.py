@@ -121,27 +121,8 @@ def budget_path(key: str, directory: str | os.PathLike[str] | None = None) -> Pa
     return root / f"{BUDGET_PREFIX}u{os.getuid()}.{key}"
 
 
-def _proc_start(pid: int) -> int | None:
-    """The start time of ``pid`` (clock ticks since boot), ``None`` when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return 0
-        return 0  # no /proc: alive, start time unknown
-    try:
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return 0
-
-
 def _alive(pid: int, start: int) -> bool:
-    now = _proc_start(pid)
+    now = paths.process_start(pid)
     return now is not None and (start == 0 or now == 0 or now == start)
 
 
@@ -315,7 +296,7 @@ class BudgetRecord(MappedRecord):
             IPCError: Every slot belongs to a live pool.
         """
         pid = os.getpid()
-        start = _proc_start(pid) or 0
+        start = paths.process_start(pid) or 0
         raw = name.encode()[:_NAME - 1].ljust(_NAME, b"\0")
         with self.locked() as w:
             self._sum_locked(w, reclaim=True)

@@ -37,6 +37,7 @@ __all__ = [
     "private_dir",
     "check_private_dir",
     "check_name",
+    "process_start",
     "namespace",
     "namespace_dir",
     "socket_path",
@@ -228,3 +229,23 @@ def check_socket_path(path: str | os.PathLike[str]) -> Path:
             "shorter KVCACHED_IPC_NAME"
         )
     return Path(path)
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks since boot; 0 when unknown), ``None`` when
+    it is gone: with the pid, it tells a live owner from a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return 0
+        return 0  # no /proc: alive, start time unknown
+    try:
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return 0

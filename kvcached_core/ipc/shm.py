@@ -174,13 +174,7 @@ class PoolStats:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return paths.process_start(pid) is not None
 
 
 def text_field(raw: bytes) -> str:
