@@ -695,11 +695,13 @@ class PageAllocator:
         self.stop_background(closing=True)
         self.trim()
 
-    def stop_background(self, *, closing: bool = False) -> None:
+    def stop_background(self, *, closing: bool = False, timeout: float | None = None) -> bool:
         """Stop the background thread (refills, trims, limit and budget polls); idempotent.
 
         Mapped pages stay as they are: for a process about to end, whose
         workers may already be gone (``close`` also unmaps the reserve).
+        ``timeout`` bounds the wait for a thread inside a call to a worker that
+        stopped answering. Returns whether the thread has stopped.
         """
         with self._cond:
             self._stop = True
@@ -707,7 +709,9 @@ class PageAllocator:
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     # ------------------------------------------------------------ internals
 

@@ -180,8 +180,8 @@ def wrap_scheduler_init(original: Any) -> Any:
             original(self, *args, **kwargs)
         if built.runtime is not None:
             setattr(self, LOCK_ATTR, built.runtime.lock)
-            if built.runtime.fence is not None:
-                setattr(self, FENCE_ATTR, built.runtime.fence)
+            if built.runtime.pool.fence is not None:
+                setattr(self, FENCE_ATTR, built.runtime.pool.fence)
 
     return __init__
 
@@ -224,21 +224,23 @@ def wrap_schedule(original: Any) -> Any:
     return schedule
 
 
-def wrap_engine_shutdown(original: Any) -> Any:
-    """The engine core stops: kvcached's shared records go first.
+def wrap_release_records_first(original: Any) -> Any:
+    """The engine core stops or dies: kvcached's shared records go first.
 
-    vLLM then waits for its workers and may kill the engine core before the
-    interpreter exits, which would leave the pool's usage record and its share
-    of the device budget behind.
+    After either call vLLM may kill the engine core before the interpreter
+    exits: its teardown waits for the workers, and a client told the engine is
+    dead sends SIGTERM at once, which can land after the engine core has put
+    back the default handler. Either would leave the pool's usage record and
+    its share of the device budget behind.
     """
     from kvcached_vllm.scheduler import release_records
 
     @functools.wraps(original)
-    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def first_release_records(self: Any, *args: Any, **kwargs: Any) -> Any:
         release_records()
         return original(self, *args, **kwargs)
 
-    return shutdown
+    return first_release_records
 
 
 def wrap_update_from_output(original: Any) -> Any:
@@ -402,9 +404,13 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
                   wrapper=wrap_update_from_output, name="step-fence-completed",
                   description="a step's output arrived: pages it could read may be unmapped"),
         _deferred("vllm.v1.engine.core:EngineCore.shutdown", versions=ALL,
-                  wrapper=wrap_engine_shutdown, name="release-records-on-shutdown",
+                  wrapper=wrap_release_records_first, name="release-records-on-shutdown",
                   description="the pool's usage record and budget share go before vLLM's "
                               "teardown"),
+        _deferred("vllm.v1.engine.core:EngineCoreProc._send_engine_dead", versions=ALL,
+                  wrapper=wrap_release_records_first, name="release-records-when-dead",
+                  description="a failed engine core releases them before its client "
+                              "learns it died (and stops it)"),
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", versions=ALL,
                   wrapper=wrap_locked, name="pool-lock-finish",
                   description="finishing requests frees blocks under the pool's lock"),
