@@ -442,7 +442,7 @@ def bench_pools(args: argparse.Namespace) -> dict:
     for k, p in pools.items():
         for blocks in held[k]:
             p.free_blocks(blocks)
-    mapped = rt.pages.num_mapped
+    mapped = rt.pool.pages.num_mapped
     rt.close()
     keep[2].close()
     ratios = {"n=1": res["n=1"]["ratio"], "n=16": res["n=16"]["ratio"]}

@@ -37,6 +37,7 @@ one process means one mapper each; nothing here is process-global.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -171,6 +172,11 @@ class KVLayout:
         return self.buffer_bytes * self.num_layers * self.num_buffers
 
 
+def host_memory_bytes() -> int:
+    """The machine's physical memory: the device size of a pool in host memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _device_pages(free: int, total: int, pooled: int, utilization: float, page_bytes: int,
                   handles_per_page: int) -> int:
     """Pages a device with ``free`` of ``total`` bytes can still back, keeping ``1 - utilization``."""
@@ -283,6 +289,10 @@ class KVTensors:
     def trim_pool(self, keep_pages: int = 0) -> int:
         """Release the mapper's pooled handles beyond ``keep_pages`` pages' worth."""
         return self._mapper.trim_pool(keep_pages * self.handles_per_page)
+
+    def device_total(self) -> int:
+        """Bytes of the device (for host memory: the machine's memory)."""
+        return int(self._mapper.mem_info()[1]) if self._device.is_gpu else host_memory_bytes()
 
     def free_device_pages(self, utilization: float) -> int:
         """Page ids the device can still back while ``1 - utilization`` of it stays free.

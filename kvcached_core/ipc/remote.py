@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcached_core.allocator.kv_tensors import KVLayout, _device_pages
+from kvcached_core.allocator.kv_tensors import KVLayout, _device_pages, host_memory_bytes
 from kvcached_core.device import Device
 from kvcached_core.errors import WorkerError
 from kvcached_core.ipc.broadcast import Endpoint, WorkerGroup
@@ -152,14 +152,22 @@ class RemoteKVTensors:
         """The workers trim their own handle pools after every unmap: nothing to do."""
         return 0
 
+    def _meminfo(self) -> list[tuple[int, int, int]]:
+        """Each worker's ``(free, total, pooled handles)`` reading of its device."""
+        if self._server is not None:
+            return [tuple(self._server.apply("meminfo", self.group, []))]
+        return [tuple(r) for r in self._connections().meminfo(self.group)]
+
+    def device_total(self) -> int:
+        """Bytes of the smallest worker device (for host memory: the machine's memory)."""
+        if not self.device.is_gpu:
+            return host_memory_bytes()
+        return min(int(total) for _, total, _ in self._meminfo())
+
     def free_device_pages(self, utilization: float) -> int:
         """Page ids every worker can still back while ``1 - utilization`` of its device stays free."""
-        if self._server is not None:
-            readings = [tuple(self._server.apply("meminfo", self.group, []))]
-        else:
-            readings = self._connections().meminfo(self.group)
         return min(_device_pages(free, total, pooled, utilization, self.page_bytes,
-                                 self.handles_per_page) for free, total, pooled in readings)
+                                 self.handles_per_page) for free, total, pooled in self._meminfo())
 
     def close(self) -> None:
         """Close every thread's connections (the workers keep their memory)."""

@@ -2,13 +2,12 @@
 
 The engine-core process decides, the workers own the KV memory (in other
 processes on CPU and at TP > 1; on one GPU vLLM runs its worker inside the
-engine core), so its page allocator works on kvcached-core's
-:class:`~kvcached_core.ipc.remote.RemoteKVTensors`: map / unmap are broadcast
-to every worker (all TP ranks of all PP stages) over kvcached's IPC sockets, or
-applied to the worker's page server directly when it lives in this process,
-and on a GPU the workers' free device memory bounds what is mapped. The pool's
-bytes are published to a shared-memory segment that ``kvctl`` reads and sets
-limits through.
+engine core), so its pool is kvcached-core's remote
+:class:`~kvcached_core.pool.ElasticPool`: map / unmap are broadcast to every
+worker (all TP ranks of all PP stages) over kvcached's IPC sockets, or applied
+to the worker's page server directly when it lives in this process, and on a
+GPU the workers' free device memory bounds what is mapped. The pool publishes
+its bytes to the usage record that ``kvctl`` reads and sets limits through.
 
 :func:`scheduler_context` is entered around ``Scheduler.__init__`` (it has the
 ``VllmConfig`` and the ``KVCacheConfig``); :func:`make_block_pool` replaces the
@@ -40,22 +39,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvcached_core.allocator import KVBlockManager, KVLayout, PageAllocator
+from kvcached_core.allocator import KVLayout
 from kvcached_core.allocator.fence import StepFence
 from kvcached_core.config import load_settings, max_cached_tokens
 from kvcached_core.device import Device
 from kvcached_core.env import env_bool
-from kvcached_core.errors import IPCError, KVCachedConfigError
-from kvcached_core.ipc import PoolSegment, RemoteKVTensors, namespace_endpoints
-from kvcached_core.ipc.budget import BudgetRecord, BudgetSlot, device_key
+from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.ipc import namespace_endpoints
 from kvcached_core.ipc.paths import accepts_connections
-from kvcached_core.ipc.publish import publish_pool
+from kvcached_core.pool import ElasticPool
 
 from kvcached_vllm.geometry import KVGeometry, block_offset_for
 
@@ -96,77 +93,34 @@ def instance_namespace(vllm_config: Any) -> str:
 
 @dataclass
 class ElasticRuntime:
-    """kvcached's state for one vLLM scheduler (one engine core)."""
+    """kvcached's state for one vLLM scheduler (one engine core): the pool and how
+    vLLM's blocks sit in it."""
 
     namespace: str
     geometry: KVGeometry
-    tensors: RemoteKVTensors
-    pages: PageAllocator
-    blocks: KVBlockManager
-    segment: PoolSegment | None
+    pool: ElasticPool
     max_cached_blocks: int | None
-    fence: StepFence | None
-    budget: BudgetSlot | None = None
     #: Held around the scheduler's calls that touch the block pool, and by the
     #: page allocator's background thread while it evicts cached blocks.
     lock: Any = dataclasses.field(default_factory=threading.RLock)
 
-    def attach_pool(self, pool: Any) -> None:
-        """Let the page allocator evict the pool's cached pages (budget asks, lower limits)."""
+    def attach_pool(self, block_pool: Any) -> None:
+        """Let the page allocator evict the block pool's cached pages (budget asks, lower limits)."""
 
         def evict(pages: int) -> int:
             with self.lock:
-                return pool.give_back_pages(pages)
+                return block_pool.give_back_pages(pages)
 
-        self.pages.set_evictor(evict)
+        self.pool.set_evictor(evict)
 
     def close(self) -> None:
-        """Stop the background thread and drop the connections (workers keep their memory)."""
-        self.pages.close()
-        self.tensors.close()
-        self.release_records()
+        """Stop the background thread, release the records, drop the connections
+        (the workers keep their memory)."""
+        self.pool.close()
 
     def release_records(self) -> None:
-        """Remove the pool's usage record and free its budget slot (no worker is asked).
-
-        The page allocator's background thread stops first: it polls both.
-        """
-        self.pages.stop_background()
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
-        if self.budget is not None:
-            self.budget.close()
-            self.budget.record.close()
-            self.budget = None
-
-
-def _device_total(device: Device, tensors: RemoteKVTensors) -> int:
-    """Bytes of the KV device (host memory on CPUs; the smallest worker GPU), 0 if unknown."""
-    try:
-        if not device.is_gpu:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if tensors._server is not None:
-            return int(tuple(tensors._server.apply("meminfo", tensors.group, []))[1])
-        return min(int(r[1]) for r in tensors._connections().meminfo(tensors.group))
-    except Exception:
-        log.debug("kvcached: reading the device's size failed", exc_info=True)
-        return 0
-
-
-def _join_budget(device: Device, settings: Any, total: int, name: str) -> BudgetSlot | None:
-    """This pool's slot in the device budget (set from ``KVCACHED_DEVICE_BUDGET`` if given)."""
-    try:
-        record = BudgetRecord.open(device_key(device.backend, device.index))
-        record.set_device_total(total)
-        if settings.device_budget is not None:
-            record.set_capacity(settings.device_budget.resolve(total))
-        return record.join(name)
-    except (IPCError, OSError, KVCachedConfigError) as exc:
-        if isinstance(exc, KVCachedConfigError) or env_bool("KVCACHED_STRICT", False):
-            raise
-        log.warning("kvcached: no device budget for this engine (%s)", exc)
-        return None
+        """Remove the pool's usage record and free its budget slot (no worker is asked)."""
+        self.pool.release_records()
 
 
 _RUNTIMES: list[ElasticRuntime] = []
@@ -241,36 +195,22 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | No
     device = Device(device_type, 0, device_type) if gpu else Device("host", 0, "cpu")
     layout = KVLayout(num_layers=geo.num_regions, buffer_bytes=geo.num_pages * geo.page_size,
                       page_size=geo.page_size, num_buffers=1)
-    tensors = RemoteKVTensors(layout, endpoints, 0, device=device,
-                              local_server=_local_server(ns, endpoints))
     # Only a scheduler that runs ahead of its workers frees blocks a pending step may read.
     ahead = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling",
                          False))
-    fence = StepFence() if ahead else None
-    settings = load_settings(**(GPU_SETTINGS if gpu else SETTINGS))
-    total = _device_total(device, tensors)
-    budget = _join_budget(device, settings, total, f"{ns}/kv0")
-    pages = PageAllocator(tensors, settings=settings, fence=fence,  # type: ignore[arg-type]
-                          budget=budget)
-    segment = None
-    try:
-        segment = PoolSegment.create(ns, "kv0", capacity=layout.total_bytes)
-        segment.set_device_total(total)
-        # Usage, map / unmap latency for kvctl, kvtop and /metrics; limits from kvctl.
-        pages.watch_limit(publish_pool(tensors, pages, segment))
-    except (IPCError, OSError) as exc:
-        log.warning("kvcached: no shared-memory segment for kvctl (%s)", exc)
-    blocks = KVBlockManager(pages, geo.block_bytes, num_blocks=geo.num_blocks,
-                            block_offset=geo.block_offset)
+    pool = ElasticPool.remote(
+        layout, endpoints, device, local_server=_local_server(ns, endpoints),
+        block_bytes=geo.block_bytes, num_blocks=geo.num_blocks, block_offset=geo.block_offset,
+        namespace=ns, name="kv0", settings=load_settings(**(GPU_SETTINGS if gpu else SETTINGS)),
+        fence=StepFence() if ahead else None)
     block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-    rt = ElasticRuntime(ns, geo, tensors, pages, blocks, segment,
-                        _max_cached_blocks(block_size), fence, budget)
+    rt = ElasticRuntime(ns, geo, pool, _max_cached_blocks(block_size))
     _RUNTIMES.append(rt)
     log.info(
         "kvcached: elastic KV cache for vLLM: %d blocks of %d bytes (from byte %d) x %d regions, "
         "%d pages of %d MiB, TP=%d PP=%d, %s, namespace %s, mapped now %d bytes",
         geo.num_blocks, geo.block_bytes, geo.block_offset, geo.num_regions, geo.num_pages,
-        geo.page_size >> 20, tp, pp, device_type, ns, pages.num_mapped * geo.page_bytes)
+        geo.page_size >> 20, tp, pp, device_type, ns, pool.pages.num_mapped * geo.page_bytes)
     return rt
 
 
@@ -314,10 +254,10 @@ def make_block_pool(original: type) -> Any:
         pending.runtime = rt
         from kvcached_vllm.pool import ElasticBlockPool
 
-        pool = ElasticBlockPool(*args, block_manager=rt.blocks,
-                                max_cached_blocks=rt.max_cached_blocks, **kwargs)
-        rt.attach_pool(pool)
-        return pool
+        block_pool = ElasticBlockPool(*args, block_manager=rt.pool.blocks,
+                                      max_cached_blocks=rt.max_cached_blocks, **kwargs)
+        rt.attach_pool(block_pool)
+        return block_pool
 
     block_pool.__wrapped__ = original  # type: ignore[attr-defined]
     block_pool.__qualname__ = "BlockPool"

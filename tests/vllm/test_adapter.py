@@ -407,17 +407,17 @@ def test_only_a_scheduler_that_runs_ahead_gets_a_step_fence(ahead):
         vcfg.scheduler_config = SimpleNamespace(async_scheduling=ahead)
         rt = build_runtime(vcfg, cfg)
     try:
-        assert (rt.fence is not None) == ahead
-        assert rt.tensors._server is backing.server  # the worker lives in this process
-        ids = rt.blocks.alloc(40)  # pages 0 (with the null block) and 1
+        assert (rt.pool.fence is not None) == ahead
+        assert rt.pool.backing._server is backing.server  # the worker lives in this process
+        ids = rt.pool.blocks.alloc(40)  # pages 0 (with the null block) and 1
         if ahead:
-            rt.fence.step_scheduled()  # a step that may read them is on its way
-        rt.blocks.free(ids)
-        rt.pages.wait_idle(5)
+            rt.pool.fence.step_scheduled()  # a step that may read them is on its way
+        rt.pool.blocks.free(ids)
+        rt.pool.pages.wait_idle(5)
         # Async: the freed pages wait for the step fence; sync: unmapped at once.
         assert backing.mapped_bytes() == (2 if ahead else 1) * 2 * backing.page_size
         if ahead:
-            rt.fence.step_completed(1)
+            rt.pool.fence.step_completed(1)
             assert wait_until(lambda: backing.mapped_bytes() == 2 * backing.page_size)
     finally:
         rt.close()
