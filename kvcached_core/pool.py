@@ -196,13 +196,18 @@ class ElasticPool:
         :meth:`PageAllocator.set_evictor`), for budget asks and lowered limits."""
         self.pages.set_evictor(evictor)
 
-    def gave_back(self, pages: int) -> None:
-        """Count ``pages`` unmapped for the last budget ask as given back (bytes, and the
-        time since the ask, in the budget record): for an engine whose cache can only be
-        evicted on its own thread, after the allocator already answered the ask."""
-        if self.budget is not None and pages > 0:
-            gen, _wanted, _slot, raised_ns = self.budget.pressure()
-            self.budget.answered(gen, pages * self.pages.page_bytes, raised_ns)
+    def budget_ask(self) -> int:
+        """The budget ask this pool is answering now (its generation), 0 if none: inside
+        the evictor, tells another engine's ask from a lowered limit."""
+        return self.budget.pending_pressure() if self.budget is not None else 0
+
+    def gave_back(self, pages: int, ask: int) -> None:
+        """Count ``pages`` unmapped for budget ask ``ask`` (from :meth:`budget_ask`) as
+        given back, with the time since the latest ask, in the budget record: for an engine
+        whose cache can only be evicted on its own thread, after the allocator answered."""
+        if self.budget is not None and pages > 0 and ask:
+            _gen, _wanted, _slot, raised_ns = self.budget.pressure()
+            self.budget.answered(ask, pages * self.pages.page_bytes, raised_ns)
 
     def release_records(self) -> None:
         """Remove the usage record and free the budget slot; asks no worker anything.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvcached_core.allocator.kv_tensors import KVLayout, _device_pages, host_memory_bytes
@@ -53,10 +53,6 @@ class RemoteKVTensors:
         timeout, connect_timeout: As for :class:`~kvcached_core.ipc.WorkerGroup`.
         local_server: The native ``PageServer`` of the one worker, when it runs
             in this process: requests are applied to it directly.
-
-    Attributes:
-        on_change: Called after every map and unmap (e.g. to publish the pool's
-            usage); its exceptions are the caller's.
     """
 
     def __init__(
@@ -82,7 +78,6 @@ class RemoteKVTensors:
         self._groups: list[WorkerGroup] = []
         self._mapped: set[int] = set()
         self._lock = threading.Lock()
-        self.on_change: Callable[[], None] | None = None
         self.workers = self._connections()  # this thread's; also checks the endpoints
 
     num_pages = property(lambda self: self.layout.num_pages)
@@ -126,8 +121,6 @@ class RemoteKVTensors:
                 raise
         with self._lock:
             self._mapped.update(pages)
-        if self.on_change is not None:
-            self.on_change()
 
     def unmap_pages(self, page_ids: Sequence[int], synchronize: bool = True) -> None:
         """Unmap ``page_ids`` on every worker (each waits for its queued device work)."""
@@ -138,8 +131,6 @@ class RemoteKVTensors:
             self._connections().unmap(self.group, pages)
         with self._lock:
             self._mapped.difference_update(pages)
-        if self.on_change is not None:
-            self.on_change()
 
     def is_mapped(self, page_id: int) -> bool:
         return page_id in self._mapped

@@ -195,14 +195,14 @@ def test_an_engine_that_evicts_on_its_own_thread_reports_what_it_gave_back(shm_d
                           settings=settings(max_reserved_pages=4))
     asked: list[int] = []
     try:
-        a.set_evictor(lambda pages: asked.append(pages) or 0)
+        a.set_evictor(lambda pages: asked.append(a.budget_ask()) or 0)
         cached = a.blocks.alloc(11)
         assert b.blocks.alloc(4) is None  # the miss asks; nothing can be given at once
         assert wait_until(lambda: bool(asked))
         mapped = a.pages.num_mapped  # A's thread, idle now: evicts what was asked, unmaps it
         a.blocks.free(cached)
         a.pages.trim()
-        a.gave_back(mapped - a.pages.num_mapped)
+        a.gave_back(mapped - a.pages.num_mapped, asked[0])
         assert b.blocks.alloc(4) is not None
         rec = bud.BudgetRecord.open(bud.device_key("host", 0), shm_dir)
         try:
@@ -210,6 +210,14 @@ def test_an_engine_that_evicts_on_its_own_thread_reports_what_it_gave_back(shm_d
         finally:
             rec.close()
         assert slot.given_bytes == 2 * BUNDLE and slot.givebacks == 1 and slot.last_giveback_ns > 0
+        assert asked[0] > 0  # the evictor ran inside the answer to B's ask
+        a.gave_back(1, 0)  # what a lowered limit made the engine evict is no giveback
+        rec = bud.BudgetRecord.open(bud.device_key("host", 0), shm_dir)
+        try:
+            (slot,) = [s for s in rec.read().slots if s.name == "pa/kv0"]
+        finally:
+            rec.close()
+        assert slot.givebacks == 1
     finally:
         a.close()
         b.close()
