@@ -1,17 +1,24 @@
-"""Two vLLM engines on the CPU sharing one device budget: giveback and live limits.
+"""Two engines on the CPU sharing one device budget: giveback and live limits.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm_share.py
+    .venv-vllm/bin/python benchmarks/bench_vllm_share.py                      # vLLM + vLLM
+    .venv-vllm/bin/python benchmarks/bench_vllm_share.py --a-engine sglang   # SGLang + vLLM
 
-Engine A and engine B (each a ``vllm.LLM`` with kvcached in a process of its
-own, tiny random-weight Llama from ``tests/vllm/tiny_model.py``) join one
-budget (``KVCACHED_DEVICE_BUDGET``) in a private shared-memory directory, with
-no cap on cached prefixes (``KVCACHED_MAX_CACHED_TOKENS=-1``):
+Engine B is a ``vllm.LLM`` with kvcached; engine A is another one, or with
+``--a-engine sglang`` an ``sglang.Engine`` with kvcached (the release of
+``--sglang`` from ``.sglang/``, run by ``.venv``'s Python as the SGLang tests
+run it). Each runs in a process of its own and serves the tiny random-weight
+Llama of ``tests/vllm/tiny_model.py``; both join one budget
+(``KVCACHED_DEVICE_BUDGET``) in a private shared-memory directory, with no cap
+on cached prefixes (``KVCACHED_MAX_CACHED_TOKENS=-1``). Both engines' page ids
+are 4 MiB (vLLM: 2 MiB pages x 2 layers; SGLang: 1 MiB pages x 2 layers x K/V):
 
 1. A serves ``--a-prompts`` distinct long prompts: their blocks stay in A's
    prefix cache, mapped, and A idles.
 2. B serves a burst that does not fit next to A's cache. B's first step that
    needs fresh pages misses for lack of budget and asks; A's background thread
-   gives back its reserve, then whole pages of its prefix cache. Recorded:
+   gives back its reserve, then whole pages of its prefix cache (vLLM at once
+   under its scheduler's lock; SGLang's scheduler at its next idle moment,
+   as its radix cache is not to be touched from another thread). Recorded:
    B's misses, the bytes A gave back, the time from B's miss to A's pages
    being unmapped (A's slot in the budget record: ``giveback_ms``), B's
    preemptions (vLLM's own counter) and whether the record ever held more
@@ -20,7 +27,8 @@ no cap on cached prefixes (``KVCACHED_MAX_CACHED_TOKENS=-1``):
    bundle: the seconds until B's pool segment shows it unmapped down to the
    limit (``limit_applied_ms``); then the limit is lifted and B serves again.
 
-Results go to benchmarks/results/vllm-cpu-share.json with the command line.
+Results go to benchmarks/results/vllm-cpu-share.json (``--a-engine sglang``:
+sglang-vllm-cpu-share.json) with the command line.
 ``run_share`` is also what ``tests/vllm/test_shared_budget.py`` runs.
 """
 
@@ -39,6 +47,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.sglang.conftest: how the SGLang tests run a release
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -103,14 +112,66 @@ def child(model: str) -> None:
         shutdown()
 
 
+def sglang_child(model: str) -> None:
+    """One SGLang engine, the same command channel as :func:`child` (greedy, token ids)."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    import sglang as sgl
+
+    engine = sgl.Engine(
+        model_path=model, device="cpu", dtype="bfloat16", skip_tokenizer_init=True,
+        attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
+        page_size=1, max_total_tokens=65536, grammar_backend="none", random_seed=0,
+        log_level="warning")
+    import kvcached_core
+    import kvcached_sglang
+
+    out.write(json.dumps({"ready": True, "kvcached_core": kvcached_core.__file__,
+                          "kvcached_sglang": kvcached_sglang.__file__,
+                          "sglang": sgl.__version__}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "generate":
+            ids = [p["prompt_token_ids"] for p in prompts(cmd["n"], cmd["length"], cmd["seed"])]
+            t = time.perf_counter()
+            res = engine.generate(input_ids=ids, sampling_params={
+                "temperature": 0.0, "max_new_tokens": cmd["max_tokens"], "ignore_eos": True})
+            answer = {"seconds": time.perf_counter() - t,
+                      "lengths": [len(r["output_ids"]) for r in res],
+                      "tokens": [list(r["output_ids"]) for r in res],
+                      "preemptions": None}  # SGLang keeps no such counter for an engine
+        else:
+            answer = {"error": f"unknown op {cmd['op']}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    engine.shutdown()
+
+
+def sglang_env(version: str, workdir: Path, **kv: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of an SGLang engine child (as tests/sglang runs one)."""
+    from tests.sglang.conftest import SGLANG_DIR, release_env, write_dist_record
+
+    if not (SGLANG_DIR / version).is_dir():
+        raise SystemExit(f"--sglang {version}: no .sglang/{version} (scripts/setup_sglang.sh "
+                         "installs the tested releases)")
+    dist = write_dist_record(workdir / "sglang-dist")
+    python = ROOT / ".venv" / "bin" / "python"
+    return [str(python), __file__, "--sglang-child"], release_env(version, dist, **kv)
+
+
 class Engine:
     """A child engine process and its command channel."""
 
-    def __init__(self, model: Path, env: dict[str, str], log: Path) -> None:
+    def __init__(self, model: Path, env: dict[str, str], log: Path,
+                 command: list[str] | None = None) -> None:
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", str(model)], env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.log, text=True)
+            (command or [sys.executable, __file__, "--child"]) + [str(model)], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.log_path = log
 
     def wait_ready(self, timeout: float = 600) -> dict:
@@ -155,8 +216,12 @@ def _slots(reading, ns_a: str, ns_b: str):
 
 
 def run_share(model: Path, workdir: Path, *, budget_bundles: int = 10, a_prompts: int = 14,
-              b_prompts: int = 12, length: int = 1800, b_tokens: int = 32) -> dict:
-    """The scenario of the module docs; returns the measurements (see the results file)."""
+              b_prompts: int = 12, length: int = 1800, b_tokens: int = 32,
+              a_sglang: str | None = None) -> dict:
+    """The scenario of the module docs; returns the measurements (see the results file).
+
+    ``a_sglang``: engine A is this SGLang release instead of a vLLM engine.
+    """
     from kvcached_core.ipc import budget as bud
     from kvcached_core.ipc import shm
 
@@ -171,9 +236,15 @@ def run_share(model: Path, workdir: Path, *, budget_bundles: int = 10, a_prompts
     base.pop("KVCACHED_BUDGET_DEVICE", None)
     engines = {}
     try:
-        for name, ns in (("a", ns_a), ("b", ns_b)):
-            engines[name] = Engine(model, dict(base, KVCACHED_IPC_NAME=ns),
-                                   workdir / f"engine-{name}.log")
+        if a_sglang is None:
+            engines["a"] = Engine(model, dict(base, KVCACHED_IPC_NAME=ns_a),
+                                  workdir / "engine-a.log")
+        else:
+            kv = {k: v for k, v in base.items() if k.startswith("KVCACHED_")}
+            command, env = sglang_env(a_sglang, workdir, **kv, KVCACHED_IPC_NAME=ns_a,
+                                      KVCACHED_PAGE_SIZE_MB="1")
+            engines["a"] = Engine(model, env, workdir / "engine-a.log", command)
+        engines["b"] = Engine(model, dict(base, KVCACHED_IPC_NAME=ns_b), workdir / "engine-b.log")
         imported = [e.wait_ready() for e in engines.values()]
         a, b = engines["a"], engines["b"]
         rec = bud.BudgetRecord.open("host", shm_dir, create=False)
@@ -222,6 +293,8 @@ def run_share(model: Path, workdir: Path, *, budget_bundles: int = 10, a_prompts
         for e in engines.values():
             e.close()
     return {
+        "engine_a": "vllm" if a_sglang is None else f"sglang {imported[0]['sglang']}",
+        "engine_b": "vllm",
         "budget_bytes": budget,
         "imported_from": sorted({os.path.dirname(os.path.dirname(r["kvcached_core"]))
                                  for r in imported}),
@@ -253,8 +326,8 @@ def run_share(model: Path, workdir: Path, *, budget_bundles: int = 10, a_prompts
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2])
+    if len(sys.argv) > 1 and sys.argv[1] in ("--child", "--sglang-child"):
+        (child if sys.argv[1] == "--child" else sglang_child)(sys.argv[2])
         return
     from _timing import run_info
 
@@ -265,20 +338,23 @@ def main() -> None:
     parser.add_argument("--a-prompts", type=int, default=14)
     parser.add_argument("--b-prompts", type=int, default=12)
     parser.add_argument("--length", type=int, default=1800)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
-                                             "vllm-cpu-share.json"))
+    parser.add_argument("--a-engine", choices=("vllm", "sglang"), default="vllm")
+    parser.add_argument("--sglang", default="0.5.23", help="SGLang release of engine A")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    a_sglang = args.sglang if args.a_engine == "sglang" else None
+    name = "vllm-cpu-share" if a_sglang is None else "sglang-vllm-cpu-share"
     with tempfile.TemporaryDirectory(prefix="kvshare-") as tmp:
         work = Path(tmp)
         model = build_tiny_llama(work / "model")
         result = run_share(model, work, budget_bundles=args.budget_bundles,
                            a_prompts=args.a_prompts, b_prompts=args.b_prompts,
-                           length=args.length)
+                           length=args.length, a_sglang=a_sglang)
     result["b"].pop("tokens")
     import vllm
 
-    out = {**run_info("vllm-cpu-share", vllm=vllm.__version__), **result}
-    path = Path(args.out)
+    out = {**run_info(name, vllm=vllm.__version__), **result}
+    path = Path(args.out or ROOT / "benchmarks" / "results" / f"{name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -80,8 +80,9 @@ class ElasticKV:
         num_buffers: int = 2,
         name: str = "mha",
     ) -> None:
-        from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
+        from kvcached_core.allocator import KVLayout
         from kvcached_core.config import load_settings
+        from kvcached_core.pool import ElasticPool
 
         settings = load_settings()
         self.name = name
@@ -99,13 +100,28 @@ class ElasticKV:
             num_buffers=num_buffers,
             contiguous=False,  # SGLang indexes per-layer, contiguous (rows, H, D) buffers
         )
-        self.kv = KVTensors.open(_kvcached_device(device), layout)
-        self.pages = PageAllocator(self.kv, settings=settings)
-        self.blocks = KVBlockManager(
-            self.pages, block_bytes, num_blocks=self.num_blocks, reserve_null_block=True
-        )
+        ns, record = _record_name(name)
+        try:
+            #: kvcached-core's pool: backing, pages, blocks, usage record, budget slot.
+            self.pool = ElasticPool.local(_kvcached_device(device), layout,
+                                          block_bytes=block_bytes, num_blocks=self.num_blocks,
+                                          reserve_null_block=True, namespace=ns,
+                                          name=record or name, settings=settings)
+        except BaseException:
+            _POOL_NAMES.discard(record)
+            raise
+        if record is not None:  # the name is free again once the pool is gone
+            weakref.finalize(self.pool, _POOL_NAMES.discard, record)
+        self.kv = self.pool.backing
+        self.pages = self.pool.pages
+        self.blocks = self.pool.blocks
+        self.namespace = ns
         self._backups: list[set[int]] = []  # open backup_state() journals
-        self.namespace, self.segment = _publish(self, layout.total_bytes)
+        #: Token slots of one kvcached page (what evicting a page's worth of cache frees).
+        self.tokens_per_page = max(1, layout.page_size // block_bytes) * self.page_size
+        self._evict_ask = 0  # pages of prefix cache a budget ask or a lowered limit wants
+        self._budget_ask = 0  # the budget ask among them (its generation)
+        self.pool.set_evictor(self._ask_eviction)
         _log.info(
             "kvcached: elastic SGLang %s pool: %d tokens (page %d) x %d layers x %d buffers, "
             "%.1f MiB virtual, backed on demand in %d-byte pages",
@@ -125,6 +141,25 @@ class ElasticKV:
 
         flat = self.kv.buffer(layer, kind, dtype)
         return flat[: self.rows * math.prod(shape)].view(self.rows, *shape)
+
+    # ------------------------------------------------------------- giveback
+
+    def _ask_eviction(self, pages: int) -> int:
+        """Another engine wants memory (or a lower limit does): ``pages`` whole pages of
+        prefix cache should go. Called on the allocator's background thread, where
+        SGLang's radix cache cannot be touched: the scheduler evicts at its next idle
+        moment (:func:`kvcached_sglang.prefix_cache.trim_prefix_cache`), so nothing is
+        freed now."""
+        self._evict_ask = max(self._evict_ask, int(pages))
+        self._budget_ask = self.pool.budget_ask() or self._budget_ask
+        return 0
+
+    def take_eviction_ask(self) -> tuple[int, int]:
+        """Tokens of prefix cache asked back since the last call (0: none), and the budget
+        ask they answer (0: a lowered limit asked)."""
+        pages, self._evict_ask = self._evict_ask, 0
+        ask, self._budget_ask = self._budget_ask, 0
+        return pages * self.tokens_per_page, ask
 
     # ---------------------------------------------------------------- counts
 
@@ -208,11 +243,8 @@ class ElasticKV:
         self._backups = []
 
     def close(self) -> None:
-        """Stop kvcached's background work for this pool (tests; SGLang never calls it)."""
-        self.pages.close()
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+        """Stop kvcached's background work, release the records (tests; SGLang never calls it)."""
+        self.pool.close()
 
 
 _POOL_NAMES: set[str] = set()
@@ -241,48 +273,27 @@ def _rank() -> int:
     return 0
 
 
-def _publish(state: ElasticKV, capacity: int) -> tuple[str | None, Any]:
-    """Publish ``state``'s pool like a vLLM engine's: a shared-memory segment that
-    ``kvctl`` / ``kvtop`` / Prometheus read, through which ``kvctl limit`` reaches it.
+def _record_name(kind: str) -> tuple[str | None, str | None]:
+    """The namespace and name under which a pool publishes its usage record and joins
+    its device's budget, like a vLLM engine's: ``kvctl`` / ``kvtop`` / Prometheus read it
+    and ``kvctl limit`` reaches the pool through it.
 
     The pool is named ``<kind>-tp<rank>`` (``mha-tp0``), with ``.1``, ``.2``, ...
-    for further pools of one process. Without a segment the pool still works.
+    for further pools of one process. ``(None, None)`` when the namespace setting is
+    unusable (the pool then works unpublished).
     """
-    from kvcached_core.errors import IPCError
-    from kvcached_core.ipc.publish import publish_pool
-    from kvcached_core.ipc.shm import PoolSegment
-
     try:
         ns = sglang_namespace()
-        base = f"{state.name}-tp{_rank()}"
-        name, k = base, 0
-        while name in _POOL_NAMES:
-            k += 1
-            name = f"{base}.{k}"
-        segment = PoolSegment.create(ns, name, capacity=capacity)
-        _POOL_NAMES.add(name)
-        weakref.finalize(segment, _POOL_NAMES.discard, name)
-    except (IPCError, KVCachedConfigError, OSError) as exc:
-        _log.warning("kvcached: no shared-memory segment for kvctl (%s)", exc)
+    except KVCachedConfigError as exc:
+        _log.warning("kvcached: SGLang pool not published, kvctl will not see it (%s)", exc)
         return None, None
-    try:
-        segment.set_device_total(_device_total(state.kv))
-        state.pages.watch_limit(publish_pool(state.kv, state.pages, segment))
-    except Exception:
-        segment.close()
-        raise
-    return ns, segment
-
-
-def _device_total(kv: Any) -> int:
-    import os
-
-    try:
-        if not kv.device.is_gpu:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return int(kv.mapper.mem_info()[1])
-    except Exception:
-        return 0
+    base = f"{kind}-tp{_rank()}"
+    name, k = base, 0
+    while name in _POOL_NAMES:
+        k += 1
+        name = f"{base}.{k}"
+    _POOL_NAMES.add(name)
+    return ns, name
 
 
 def _kvcached_device(device: Any) -> str:

@@ -9,6 +9,13 @@ no cap) are evicted through the cache's own ``evict`` (least recently used
 leaves first). The freed slots go back to kvcached, whose emptied pages are
 unmapped after the idle trim. The hot prefixes (the most recent) stay cached.
 
+The same moment serves another engine's ask for memory (the device budget of
+:mod:`kvcached_core.ipc.budget`) or a lowered ``kvctl limit``: the pool's
+allocator gives back its reserve at once from its background thread, and asks
+:class:`~kvcached_sglang.pool.ElasticKV` for whole pages of prefix cache, which
+the scheduler evicts here (least recently used first) and unmaps right away.
+A busy scheduler gives back its cache when it next goes idle.
+
 Only SGLang's plain radix cache over a pool kvcached backs is capped:
 ``RadixCache``, and from 0.5.2x the default ``UnifiedRadixCache`` when it holds
 full-attention KV only (no SWA or Mamba component, no hierarchical tier).
@@ -54,10 +61,9 @@ def trim_prefix_cache(scheduler: Any) -> int:
 
 
 def _trim(scheduler: Any) -> int:
-    cap = max_cached_tokens()
     tree = getattr(scheduler, "tree_cache", None)
     cls = type(tree)
-    if cap is None or _CACHES.get(cls.__module__) != cls.__name__:
+    if _CACHES.get(cls.__module__) != cls.__name__:
         return 0
     if getattr(tree, "cache_controller", None) is not None:  # a hierarchical tier
         return 0
@@ -67,14 +73,22 @@ def _trim(scheduler: Any) -> int:
             return 0
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
     get_kvcache = getattr(allocator, "get_kvcache", None)
-    if get_kvcache is None or elastic_of(get_kvcache()) is None:
+    state = elastic_of(get_kvcache()) if get_kvcache is not None else None
+    if state is None:
         return 0
-    excess = int(tree.evictable_size()) - cap
+    asked, ask = state.take_eviction_ask()
+    cap = max_cached_tokens()
+    before = int(tree.evictable_size())
+    excess = max(0 if cap is None else before - cap, min(asked, before))
     if excess <= 0:
         return 0
     params = getattr(sys.modules[cls.__module__], "EvictParams", None)  # 0.5.9+
-    before = int(tree.evictable_size())
+    mapped = state.pages.num_mapped
     tree.evict(params(num_tokens=excess) if params is not None else excess)
     evicted = before - int(tree.evictable_size())
-    _log.debug("kvcached: idle, evicted %d cached tokens beyond %d", evicted, cap)
+    if asked:  # another engine waits: the emptied pages go now, not at the idle trim
+        state.pages.trim()
+        state.pool.gave_back(mapped - state.pages.num_mapped, ask)
+    _log.debug("kvcached: idle, evicted %d cached tokens (cap %s, %d asked back)",
+               evicted, cap, asked)
     return evicted

@@ -12,8 +12,10 @@ dist records on ``PYTHONPATH``, as ``conftest.release_env`` builds it):
     1. a workload of short prompts, greedy, twice (the second time from the radix cache);
     2. a burst of long concurrent requests, sampling the KV pool's counters (written by
        the ``engine_probe`` plugin inside the scheduler) and the scheduler's RSS;
-    3. an idle spell (kvcached trims the radix cache to its cap: memory falls back), then
-       ``flush_cache()`` and another, sampling again;
+    3. an idle spell (kvcached trims the radix cache to its cap: memory falls back); a
+       second kvcached pool in this process then needs the device budget the idle engine
+       holds, and the engine gives back its reserve and prefix cache; then
+       ``flush_cache()`` and another idle spell, sampling again;
     4. an idle spell during which SGLang's idle leak check runs (strict mode), then one
        more request to show the engine survived it;
 
@@ -127,6 +129,8 @@ def serve(model: str, work_dir: str, leak: bool) -> None:
     report["burst"] = result.get("ids")
     report["burst_samples"] = samples
     report["after_burst"] = sampler.settle(1.5)  # idle: the radix cache trimmed to the cap
+    if "page_bytes" in report["after_burst"]:  # kvcached backs the pool
+        report["giveback"] = _giveback(sampler)
     report["flushed"] = bool(_flush(engine))
     report["after_flush"] = sampler.settle(2.0)
 
@@ -152,6 +156,52 @@ def serve(model: str, work_dir: str, leak: bool) -> None:
             engine.loop.run_until_complete(asyncio.sleep(0.5))
         print("LEAK-NOT-REPORTED", flush=True)  # unreachable when SGLang takes itself down
     engine.shutdown()
+
+
+def _giveback(sampler: Sampler) -> dict:
+    """Another pool on this device needs the budget the idle engine holds.
+
+    The other pool is a real kvcached pool of this process (standing in for a second
+    engine on the device) with pages of the engine's size. The device budget is set to
+    what the engine maps now plus the other pool's first page; the other pool's next page
+    misses, asks, and the engine must give back its reserve and its prefix cache. Returns
+    how long the other pool waited, what the engine gave and held before and after.
+    """
+    from kvcached_core.allocator import KVLayout
+    from kvcached_core.config import load_settings
+    from kvcached_core.ipc import budget as bud
+    from kvcached_core.pool import ElasticPool
+
+    before = sampler.read()
+    page = before["page_bytes"]
+    rec = bud.BudgetRecord.open(bud.device_key("host", 0))
+    out: dict = {"engine_before": before, "held_before": rec.read().mapped}
+    rec.set_capacity(out["held_before"] + page)
+    layers = page // (2 << 20)  # the engine's 1 MiB pages x K/V per layer
+    other = ElasticPool.local(
+        "cpu", KVLayout(layers, 8 << 20, 1 << 20, 2, False), block_bytes=1 << 20,
+        namespace="sglang-e2e-other", name="kv0",
+        settings=load_settings(min_reserved_pages=0, max_reserved_pages=0, idle_keep_pages=0))
+    try:
+        t0 = time.monotonic()
+        got = None
+        while got is None and time.monotonic() - t0 < 20:
+            got = other.blocks.alloc(1)
+            if got is None:
+                time.sleep(0.005)
+        out["waited_ms"] = round(1e3 * (time.monotonic() - t0), 1)
+        out["granted"] = got is not None
+        reading = rec.read()
+        out["capacity"] = reading.capacity
+        out["held_after"] = reading.mapped
+        out["slots"] = {s.name: dict(mapped=s.mapped, given=s.given_bytes, misses=s.misses)
+                        for s in reading.slots}
+        out["engine_after"] = sampler.read()
+    finally:
+        other.close()
+        rec.set_capacity(bud.NO_BUDGET)
+        rec.close()
+    return out
 
 
 def _flush(engine) -> bool:

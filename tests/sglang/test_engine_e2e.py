@@ -113,6 +113,8 @@ def engine_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
             if kvcached:
                 write_dist_record(dist)  # installed = active (entry point)
                 env.update(KV_ENV)
+                # A device budget record of this run's own (the giveback phase sets one).
+                env["KVCACHED_SHM_DIR"] = str(tmp_path_factory.mktemp(f"shm-{tag}"))
             args = ["serve", str(tiny_model), env["KVCACHED_E2E_DIR"]] + (
                 ["--leak"] if kvcached else [])
             res = _run(version, dist, args, **env)
@@ -195,6 +197,22 @@ def test_kv_memory_grows_under_burst_and_falls_back(engine_run, version):
           f"{base['rss'] >> 20} -> {peak_rss >> 20} -> {flushed['rss'] >> 20}; "
           f"startup {kv['startup_s']} s")
     assert peak_rss - flushed["rss"] >= unmapped // 2, (peak_rss, flushed["rss"], unmapped)
+
+
+def test_an_idle_engine_gives_memory_back_to_another_pool_on_the_device(engine_run, version):
+    """The device budget is full and the engine idles with a prefix cache: another pool's
+    miss asks, and the engine's scheduler evicts cached pages and unmaps them."""
+    g = engine_run(version, True)["giveback"]
+    page = g["engine_before"]["page_bytes"]
+    assert g["granted"], g
+    (engine,) = [s for name, s in g["slots"].items() if name.endswith("/mha-tp0")]
+    assert engine["mapped"] <= g["held_before"] - page, g
+    assert g["held_after"] <= g["capacity"], g
+    before, after = g["engine_before"], g["engine_after"]
+    assert after["used_tokens"] < before["used_tokens"], (before, after)  # cache evicted
+    print(f"SGLang {version}: giveback to another pool in {g['waited_ms']} ms, engine "
+          f"{g['held_before'] >> 20} -> {engine['mapped'] >> 20} MiB mapped, cached tokens "
+          f"{before['used_tokens']} -> {after['used_tokens']}")
 
 
 def test_idle_leak_check_runs_and_passes_with_kvcached(engine_run, version):
