@@ -21,6 +21,23 @@ from setuptools import setup
 BACKENDS = ("cuda", "hip", "host")
 
 
+# Build variables of the original kvcached (or a near miss) -> what to set instead.
+LEGACY_BUILD_VARIABLES = {
+    "KVCACHED_USE_CUDA": "every build now holds the cuda, hip and host backends; "
+                         "to leave one out set KVCACHED_BACKENDS (e.g. KVCACHED_BACKENDS=cuda,host)",
+    "KVCACHED_USE_HIP": "every build now holds the cuda, hip and host backends; "
+                        "to leave one out set KVCACHED_BACKENDS (e.g. KVCACHED_BACKENDS=hip,host)",
+    "KVCACHED_BACKEND": "is not read; the build setting is KVCACHED_BACKENDS (plural), "
+                        "e.g. KVCACHED_BACKENDS=cuda,host",
+}
+
+
+def reject_legacy_variables() -> None:
+    for name, advice in LEGACY_BUILD_VARIABLES.items():
+        if os.environ.get(name, "").strip():
+            raise SystemExit(f"{name}={os.environ[name].strip()!r}: {advice}")
+
+
 def wanted_backends() -> set[str]:
     raw = os.environ.get("KVCACHED_BACKENDS", ",".join(BACKENDS))
     names = {b.strip() for b in raw.split(",") if b.strip()}
@@ -38,6 +55,7 @@ sources = ["csrc/backend.cpp", "csrc/backend_host.cpp", "csrc/page_mapper.cpp",
            "csrc/block_table_type.cpp", "csrc/bindings.cpp"]
 include_dirs = ["csrc"]
 macros = []
+reject_legacy_variables()
 wanted = wanted_backends()
 for backend in ("cuda", "hip"):
     if backend not in wanted:
