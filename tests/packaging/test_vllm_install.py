@@ -85,6 +85,7 @@ def test_pip_install_kvcached_vllm_pulls_only_core_and_the_engine_is_elastic(whe
                            env=env, cwd=tmp_path, timeout=600)
     assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-6000:]
     report = json.loads(probe.stdout.strip().splitlines()[-1])
+    print("probe:", report)  # phase timings for CI logs (pytest -rP)
     assert report["kvcached_core"].startswith(own_site), report
     assert report["kvcached_vllm"].startswith(own_site), report
     assert report["outputs"] == 12

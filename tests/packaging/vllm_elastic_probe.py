@@ -28,12 +28,18 @@ def main(workdir: Path) -> None:
     import kvcached_vllm
     from kvcached_vllm.monitor import KVMemoryMonitor
 
+    seconds: dict[str, float] = {}
+    t0 = time.monotonic()
     model = build_tiny_llama(workdir / "tiny-llama")
+    seconds["model"] = time.monotonic() - t0
     ns = f"tpkg-{uuid.uuid4().hex[:8]}"
     with engine(model, enabled=True, namespace=ns,
                 extra_env={"KVCACHED_MAX_CACHED_TOKENS": "512", "KVCACHED_IDLE_TRIM_S": "0.5"}) as llm, \
             KVMemoryMonitor(ns, page_bytes=PAGE * NUM_LAYERS) as mon:
+        seconds["engine_start"] = time.monotonic() - t0 - seconds["model"]
+        time.sleep(1.5)  # past the idle trim: the pool at rest
         start = mon.read()[0].mapped_pages
+        t1 = time.monotonic()
         samples: list[int] = []
         out: dict = {}
 
@@ -46,6 +52,7 @@ def main(workdir: Path) -> None:
             samples.append(mon.read()[0].mapped_pages)
             time.sleep(0.05)
         thread.join()
+        seconds["burst"] = time.monotonic() - t1
         deadline = time.monotonic() + 5
         after = mon.read()[0].mapped_pages
         while after > start + 2 and time.monotonic() < deadline:
@@ -53,7 +60,7 @@ def main(workdir: Path) -> None:
             after = mon.read()[0].mapped_pages
     print(json.dumps({"kvcached_core": kvcached_core.__file__, "kvcached_vllm": kvcached_vllm.__file__,
                       "start": start, "peak": max(samples, default=start), "after": after,
-                      "outputs": len(out["ids"])}))
+                      "outputs": len(out["ids"]), "seconds": {k: round(v, 1) for k, v in seconds.items()}}))
 
 
 if __name__ == "__main__":
