@@ -1,41 +1,51 @@
 """Builds kvcached_core._native from csrc/.
 
-Each GPU backend is compiled in when its headers are found; the host backend
-always is. Nothing links against a GPU library or torch: driver libraries are
-loaded at run time with dlopen, and memory reaches torch through DLPack.
+Every backend is compiled in: cuda, hip and host. No GPU header or library is
+needed at build time: the driver types, constants and signatures the GPU
+backends use are declared in csrc/driver_api/ (checked against the real
+cuda.h and hip/hip_runtime_api.h by tests/core/test_driver_abi.py wherever
+those are installed), driver libraries are loaded at run time with dlopen,
+and memory reaches torch through DLPack. So a wheel built on a machine
+without CUDA or ROCm opens cuda:N on a host with an NVIDIA driver.
 
-Header search: CUDA in $CUDA_HOME/include, /usr/local/cuda/include and
-/usr/include; HIP in $ROCM_PATH/include, /opt/rocm/include and /usr/include.
-KVCACHED_BACKENDS=cuda,hip,host (any subset) restricts what is compiled in.
+KVCACHED_BACKENDS=cuda,hip,host (any non-empty subset) restricts which GPU
+backends are compiled in; the host backend always is (CPU engines and the
+tests run on it). _native.compiled_backends() reports what was.
 """
 
 import os
-from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
-HEADERS = {
-    "cuda": ("cuda.h", ["CUDA_HOME", "CUDA_PATH"], ["/usr/local/cuda/include", "/usr/include"]),
-    "hip": ("hip/hip_runtime_api.h", ["ROCM_PATH", "HIP_PATH"], ["/opt/rocm/include", "/usr/include"]),
+BACKENDS = ("cuda", "hip", "host")
+
+
+# Build variables of the original kvcached (or a near miss) -> what to set instead.
+LEGACY_BUILD_VARIABLES = {
+    "KVCACHED_USE_CUDA": "every build now holds the cuda, hip and host backends; "
+                         "to leave one out set KVCACHED_BACKENDS (e.g. KVCACHED_BACKENDS=cuda,host)",
+    "KVCACHED_USE_HIP": "every build now holds the cuda, hip and host backends; "
+                        "to leave one out set KVCACHED_BACKENDS (e.g. KVCACHED_BACKENDS=hip,host)",
+    "KVCACHED_BACKEND": "is not read; the build setting is KVCACHED_BACKENDS (plural), "
+                        "e.g. KVCACHED_BACKENDS=cuda,host",
 }
 
 
-def find_include(backend: str) -> str | None:
-    header, env_vars, defaults = HEADERS[backend]
-    roots = [os.path.join(os.environ[v], "include") for v in env_vars if os.environ.get(v)]
-    for root in roots + defaults:
-        if Path(root, header).is_file():
-            return root
-    return None
+def reject_legacy_variables() -> None:
+    for name, advice in LEGACY_BUILD_VARIABLES.items():
+        if os.environ.get(name, "").strip():
+            raise SystemExit(f"{name}={os.environ[name].strip()!r}: {advice}")
 
 
 def wanted_backends() -> set[str]:
-    raw = os.environ.get("KVCACHED_BACKENDS", "cuda,hip,host")
+    raw = os.environ.get("KVCACHED_BACKENDS", ",".join(BACKENDS))
     names = {b.strip() for b in raw.split(",") if b.strip()}
-    unknown = names - {"cuda", "hip", "host"}
+    unknown = names - set(BACKENDS)
     if unknown:
         raise SystemExit(f"KVCACHED_BACKENDS={raw!r}: unknown backend(s) {sorted(unknown)} (use cuda, hip, host)")
+    if not names:
+        raise SystemExit(f"KVCACHED_BACKENDS={raw!r} names no backend (use a subset of cuda, hip, host)")
     return names
 
 
@@ -45,18 +55,14 @@ sources = ["csrc/backend.cpp", "csrc/backend_host.cpp", "csrc/page_mapper.cpp",
            "csrc/block_table_type.cpp", "csrc/bindings.cpp"]
 include_dirs = ["csrc"]
 macros = []
+reject_legacy_variables()
 wanted = wanted_backends()
 for backend in ("cuda", "hip"):
-    inc = find_include(backend) if backend in wanted else None
-    if inc is None:
+    if backend not in wanted:
         continue
     sources.append(f"csrc/backend_{backend}.cpp")
-    if inc != "/usr/include":
-        include_dirs.append(inc)
     macros.append((f"KVCACHED_WITH_{backend.upper()}", "1"))
-    if backend == "hip":
-        macros.append(("__HIP_PLATFORM_AMD__", "1"))
-    print(f"kvcached: compiling the {backend} backend (headers in {inc})")
+    print(f"kvcached: compiling the {backend} backend (declarations in csrc/driver_api/)")
 
 ext = Pybind11Extension(
     "kvcached_core._native",

@@ -42,7 +42,9 @@ std::string compiled_list() {
 [[noreturn]] void not_compiled(const std::string& backend) {
   throw Error(ErrorKind::kUnavailable,
               "backend '" + backend + "' is not compiled into this build of " +
-                  "kvcached (compiled: " + compiled_list() + ")");
+                  "kvcached (compiled: " + compiled_list() +
+                  "); it was left out with KVCACHED_BACKENDS at build time: "
+                  "reinstall kvcached-core without that variable set");
 }
 }  // namespace
 

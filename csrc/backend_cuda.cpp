@@ -1,55 +1,33 @@
 // CUDA backend: the driver API loaded at run time from libcuda.so.1 through
-// one symbol table. Nothing links against libcuda, so a build with the CUDA
-// headers imports on machines without a GPU and fails only when opened.
+// one symbol table. Nothing links against libcuda and no CUDA header is
+// needed to build it: the types, constants and signatures used are declared
+// in driver_api/cuda_driver.h (checked against the real cuda.h by
+// tests/core/test_driver_abi.py wherever one is installed). A build imports
+// on machines without a GPU and fails only when the backend is opened.
 //
-// Every entry point is resolved by the exact ABI name the header maps it to
-// (cuMemGetInfo -> cuMemGetInfo_v2, cuCtxSynchronize stays unversioned), so
-// a symbol's signature always matches the declaration it is called through.
+// Every entry point is resolved by its exact ABI symbol (cuMemGetInfo ->
+// cuMemGetInfo_v2, cuCtxSynchronize stays unversioned), so a symbol's
+// signature always matches the declaration it is called through.
 //
 // Calls run in the device's primary context, the one the CUDA runtime and
 // PyTorch use, so tensors and kernels see the same mappings.
-#include <cuda.h>
 #include <dlfcn.h>
 
 #include <mutex>
 
 #include "backend.h"
-
-#define KVCACHED_STR2(x) #x
-#define KVCACHED_STR(x) KVCACHED_STR2(x)
-
-// X(function) for every driver entry point used.
-#define KVCACHED_CUDA_SYMBOLS(X)        \
-  X(cuInit)                             \
-  X(cuGetErrorName)                     \
-  X(cuGetErrorString)                   \
-  X(cuDeviceGetCount)                   \
-  X(cuDeviceGet)                        \
-  X(cuDeviceGetAttribute)               \
-  X(cuDevicePrimaryCtxRetain)           \
-  X(cuDevicePrimaryCtxRelease)          \
-  X(cuCtxGetCurrent)                    \
-  X(cuCtxPushCurrent)                   \
-  X(cuCtxPopCurrent)                    \
-  X(cuCtxSynchronize)                   \
-  X(cuMemGetInfo)                       \
-  X(cuMemGetAllocationGranularity)      \
-  X(cuMemAddressReserve)                \
-  X(cuMemAddressFree)                   \
-  X(cuMemCreate)                        \
-  X(cuMemRelease)                       \
-  X(cuMemMap)                           \
-  X(cuMemUnmap)                         \
-  X(cuMemSetAccess)
+#include "driver_api/cuda_driver.h"
 
 namespace kvcached {
 namespace {
 
+using namespace cuda_driver;
+
 constexpr const char* kLibrary = "libcuda.so.1";
 
 struct CudaApi {
-#define KVCACHED_FIELD(fn) decltype(&::fn) fn = nullptr;
-  KVCACHED_CUDA_SYMBOLS(KVCACHED_FIELD)
+#define KVCACHED_FIELD(name, symbol, ...) fn::name* name = nullptr;
+  KVCACHED_CUDA_DRIVER_FUNCTIONS(KVCACHED_FIELD)
 #undef KVCACHED_FIELD
   void* lib = nullptr;
   SymbolReport report;
@@ -65,14 +43,14 @@ CudaApi load_api() {
     api.report.load_error = err ? err : "dlopen failed";
   }
   bool all = api.lib != nullptr;
-#define KVCACHED_RESOLVE(fn)                                                  \
+#define KVCACHED_RESOLVE(name, symbol, ...)                                   \
   {                                                                           \
-    void* sym = api.lib ? dlsym(api.lib, KVCACHED_STR(fn)) : nullptr;         \
-    api.fn = reinterpret_cast<decltype(&::fn)>(sym);                          \
-    api.report.symbols.emplace_back(KVCACHED_STR(fn), sym != nullptr);        \
+    void* sym = api.lib ? dlsym(api.lib, symbol) : nullptr;                   \
+    api.name = reinterpret_cast<fn::name*>(sym);                              \
+    api.report.symbols.emplace_back(symbol, sym != nullptr);                  \
     all = all && sym != nullptr;                                              \
   }
-  KVCACHED_CUDA_SYMBOLS(KVCACHED_RESOLVE)
+  KVCACHED_CUDA_DRIVER_FUNCTIONS(KVCACHED_RESOLVE)
 #undef KVCACHED_RESOLVE
   api.complete = all;
   return api;

@@ -1,48 +1,33 @@
 // HIP backend: the HIP runtime's VMM API (hipMem*) loaded at run time from
-// libamdhip64.so through one symbol table, like the CUDA backend. Entry
-// points are resolved by the exact ABI name the header declares.
+// libamdhip64.so through one symbol table, like the CUDA backend. No HIP
+// header is needed to build it: the types, constants and signatures used are
+// declared in driver_api/hip_runtime.h (checked against the real
+// hip/hip_runtime_api.h by tests/core/test_driver_abi.py wherever one is
+// installed). Entry points are resolved by their exact ABI symbol.
+//
+// The allocation properties are passed in the layout the loaded runtime
+// reads: HIP 5.3 reordered hipMemAllocationProp (see hip_runtime.h), so the
+// runtime's version picks the struct, not the header a build happened to see.
 //
 // HIP keeps a current device per thread; each call switches to the backend's
 // device and back, so the runtime state PyTorch-ROCm sees is unchanged.
-#ifndef __HIP_PLATFORM_AMD__
-#define __HIP_PLATFORM_AMD__ 1
-#endif
 #include <dlfcn.h>
-#include <hip/hip_runtime_api.h>
 
 #include "backend.h"
-
-#define KVCACHED_STR2(x) #x
-#define KVCACHED_STR(x) KVCACHED_STR2(x)
-
-#define KVCACHED_HIP_SYMBOLS(X)        \
-  X(hipInit)                           \
-  X(hipGetErrorName)                   \
-  X(hipGetErrorString)                 \
-  X(hipGetDeviceCount)                 \
-  X(hipGetDevice)                      \
-  X(hipSetDevice)                      \
-  X(hipDeviceSynchronize)              \
-  X(hipMemGetInfo)                     \
-  X(hipMemGetAllocationGranularity)    \
-  X(hipMemAddressReserve)              \
-  X(hipMemAddressFree)                 \
-  X(hipMemCreate)                      \
-  X(hipMemRelease)                     \
-  X(hipMemMap)                         \
-  X(hipMemUnmap)                       \
-  X(hipMemSetAccess)
+#include "driver_api/hip_runtime.h"
 
 namespace kvcached {
 namespace {
+
+using namespace hip_runtime;
 
 // Tried in order; the unversioned name comes from a -dev package or ROCm.
 constexpr const char* kLibraries[] = {"libamdhip64.so", "libamdhip64.so.6",
                                       "libamdhip64.so.5"};
 
 struct HipApi {
-#define KVCACHED_FIELD(fn) decltype(&::fn) fn = nullptr;
-  KVCACHED_HIP_SYMBOLS(KVCACHED_FIELD)
+#define KVCACHED_FIELD(name, symbol, ...) fn::name* name = nullptr;
+  KVCACHED_HIP_RUNTIME_FUNCTIONS(KVCACHED_FIELD)
 #undef KVCACHED_FIELD
   void* lib = nullptr;
   SymbolReport report;
@@ -66,14 +51,14 @@ HipApi load_api() {
     api.report.load_error = errors;
   }
   bool all = api.lib != nullptr;
-#define KVCACHED_RESOLVE(fn)                                                  \
+#define KVCACHED_RESOLVE(name, symbol, ...)                                   \
   {                                                                           \
-    void* sym = api.lib ? dlsym(api.lib, KVCACHED_STR(fn)) : nullptr;         \
-    api.fn = reinterpret_cast<decltype(&::fn)>(sym);                          \
-    api.report.symbols.emplace_back(KVCACHED_STR(fn), sym != nullptr);        \
+    void* sym = api.lib ? dlsym(api.lib, symbol) : nullptr;                   \
+    api.name = reinterpret_cast<fn::name*>(sym);                              \
+    api.report.symbols.emplace_back(symbol, sym != nullptr);                  \
     all = all && sym != nullptr;                                              \
   }
-  KVCACHED_HIP_SYMBOLS(KVCACHED_RESOLVE)
+  KVCACHED_HIP_RUNTIME_FUNCTIONS(KVCACHED_RESOLVE)
 #undef KVCACHED_RESOLVE
   api.complete = all;
   return api;
@@ -135,16 +120,28 @@ class HipBackend final : public Backend {
                       " out of range; this machine has " + std::to_string(count) +
                       " HIP device(s)");
     }
-    prop_ = hipMemAllocationProp{};
-    prop_.type = hipMemAllocationTypePinned;
-    prop_.requestedHandleType = hipMemHandleTypeNone;
-    prop_.location.type = hipMemLocationTypeDevice;
-    prop_.location.id = device_;
+    int version = 0;
+    check(a.hipRuntimeGetVersion(&version), "hipRuntimeGetVersion", "");
+    const hipMemLocation location{hipMemLocationTypeDevice, device_};
+    if (version < kPropReorderedVersion) {
+      prop_hip52_ = hipMemAllocationProp_hip52{};
+      prop_hip52_.type = hipMemAllocationTypePinned;
+      prop_hip52_.requestedHandleType = hipMemHandleTypeNone;
+      prop_hip52_.location = location;
+      // The runtime reads the older layout through the same parameter.
+      prop_ptr_ = reinterpret_cast<const hipMemAllocationProp*>(&prop_hip52_);
+    } else {
+      prop_ = hipMemAllocationProp{};
+      prop_.type = hipMemAllocationTypePinned;
+      prop_.requestedHandleType = hipMemHandleTypeNone;
+      prop_.location = location;
+      prop_ptr_ = &prop_;
+    }
     access_ = hipMemAccessDesc{};
-    access_.location = prop_.location;
+    access_.location = location;
     access_.flags = hipMemAccessFlagsProtReadWrite;
     DeviceGuard guard(device_);
-    check(a.hipMemGetAllocationGranularity(&granularity_, &prop_,
+    check(a.hipMemGetAllocationGranularity(&granularity_, prop_ptr_,
                                            hipMemAllocationGranularityMinimum),
           "hipMemGetAllocationGranularity",
           "(device " + std::to_string(device_) + " may not support VMM)");
@@ -178,7 +175,7 @@ class HipBackend final : public Backend {
   Handle create(std::size_t size) override {
     DeviceGuard guard(device_);
     hipMemGenericAllocationHandle_t h = nullptr;
-    check(api().hipMemCreate(&h, size, &prop_, 0), "hipMemCreate",
+    check(api().hipMemCreate(&h, size, prop_ptr_, 0), "hipMemCreate",
           std::to_string(size) + " bytes on device " + std::to_string(device_));
     return static_cast<Handle>(reinterpret_cast<std::uintptr_t>(h));
   }
@@ -243,7 +240,9 @@ class HipBackend final : public Backend {
   };
 
   int device_;
-  hipMemAllocationProp prop_{};
+  hipMemAllocationProp prop_{};             // HIP >= 5.3 runtimes
+  hipMemAllocationProp_hip52 prop_hip52_{};  // HIP <= 5.2 runtimes
+  const hipMemAllocationProp* prop_ptr_ = &prop_;
   hipMemAccessDesc access_{};
   std::size_t granularity_ = 0;
 };

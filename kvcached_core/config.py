@@ -36,6 +36,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from kvcached_core import legacy_env
 from kvcached_core.env import env_bool, env_float, env_int, shown
 from kvcached_core.errors import KVCachedConfigError
 
@@ -188,13 +189,18 @@ def load_settings(**defaults: float) -> Settings:
     Keyword arguments replace the built-in :data:`DEFAULTS` (an engine adapter's
     own defaults, e.g. ``idle_trim_s=1.0``); a variable that is set wins.
 
+    The original kvcached's variables are honoured or rejected here too
+    (:mod:`kvcached_core.legacy_env`).
+
     Raises:
-        KVCachedConfigError: A variable's value is bad, or ``defaults`` names
-            an unknown setting.
+        KVCachedConfigError: A variable's value is bad, ``defaults`` names
+            an unknown setting, or a variable of the original kvcached has no
+            equivalent here.
     """
     unknown = set(defaults) - set(DEFAULTS)
     if unknown:
         raise KVCachedConfigError(f"unknown kvcached settings {sorted(unknown)}")
+    legacy_env.check_environment()
     d = {**DEFAULTS, **defaults}
     page_mb = env_setting("KVCACHED_PAGE_SIZE_MB", int(d["page_size_mb"]))
     layout = os.environ.get("KVCACHED_CONTIGUOUS_LAYOUT", "").strip()

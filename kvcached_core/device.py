@@ -99,7 +99,8 @@ def parse_device(device: Any) -> Device:
     if backend not in compiled:
         raise BackendUnavailableError(
             f"device {device!r} needs the {backend} backend, which is not compiled into "
-            f"this build of kvcached (compiled: {', '.join(compiled)}); reinstall "
-            f"kvcached-core on a machine with the {backend} headers"
+            f"this build of kvcached (compiled: {', '.join(compiled)}): it was left out "
+            f"with KVCACHED_BACKENDS when kvcached-core was built; reinstall kvcached-core "
+            f"without that variable set"
         )
     return Device(backend=backend, index=index, torch_device=torch_device)

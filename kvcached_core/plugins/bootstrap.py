@@ -36,6 +36,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from kvcached_core import legacy_env
 from kvcached_core.env import env_bool
 from kvcached_core.errors import PluginError
 from kvcached_core.plugins._process import process_lock
@@ -130,13 +131,18 @@ def bootstrap(engine: str, *, strict: bool | None = None) -> BootstrapResult:
         What happened; ``result.active`` tells whether kvcached is in place.
 
     Raises:
-        KVCachedConfigError: A ``KVCACHED_*`` variable is malformed.
+        KVCachedConfigError: A ``KVCACHED_*`` variable is malformed, or a
+            variable of the original kvcached has no equivalent here
+            (:mod:`kvcached_core.legacy_env`).
         PluginError: ``strict`` is on and the engine would run without kvcached
             (:class:`~kvcached_core.errors.PatchError` when a patch failed).
     """
+    legacy_env.check_environment()
     if not env_bool("KVCACHED_ENABLED", True):
+        # Names the variable that turned it off (the original's ENABLE_KVCACHED=false counts).
+        label = (legacy_env.lookup("KVCACHED_ENABLED") or ("KVCACHED_ENABLED",))[0]
         return BootstrapResult(
-            engine, "disabled", "KVCACHED_ENABLED is off; engine left vanilla", pid=os.getpid()
+            engine, "disabled", f"{label} is off; engine left vanilla", pid=os.getpid()
         )
     if strict is None:
         strict = env_bool("KVCACHED_STRICT", False)
