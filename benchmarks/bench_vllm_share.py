@@ -44,7 +44,9 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.sglang.conftest: how the SGLang tests run a release
@@ -67,13 +69,32 @@ def prompts(n: int, length: int, seed: int) -> list[dict]:
 # ------------------------------------------------------------ engine child
 
 
-def child(model: str) -> None:
-    """One engine; JSON commands on stdin, one JSON answer per line on stdout."""
-    # Answers get their own descriptor; everything else written to fd 1 (vLLM's
-    # prints, its engine-core process that inherits it) goes to the log.
+def _answers() -> Any:
+    """The descriptor answers go to. Everything else written to fd 1 (the engine's
+    prints, its processes that inherit it) goes to the log from now on."""
     sys.stdout.flush()
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    return out
+
+
+def _serve(out: Any, ready: dict, generate: Callable[[dict], dict]) -> None:
+    """Say ``ready``, then answer JSON commands from stdin, one JSON line each, until quit."""
+    out.write(json.dumps({"ready": True, **ready}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        answer = generate(cmd) if cmd["op"] == "generate" else {
+            "error": f"unknown op {cmd['op']}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+def child(model: str) -> None:
+    """One vLLM engine; JSON commands on stdin, one JSON answer per line on stdout."""
+    out = _answers()
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, **ENGINE_KW)
@@ -82,31 +103,22 @@ def child(model: str) -> None:
         return int(sum(getattr(m, "value", 0) for m in llm.get_metrics()
                        if m.name == "vllm:num_preemptions"))
 
+    def generate(cmd: dict) -> dict:
+        params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
+        before = preemptions()
+        t = time.perf_counter()
+        res = llm.generate(prompts(cmd["n"], cmd["length"], cmd["seed"]), params,
+                           use_tqdm=False)
+        return {"seconds": time.perf_counter() - t,
+                "lengths": [len(r.outputs[0].token_ids) for r in res],
+                "tokens": [list(r.outputs[0].token_ids) for r in res],
+                "preemptions": preemptions() - before}
+
     import kvcached_core
     import kvcached_vllm
 
-    out.write(json.dumps({"ready": True, "kvcached_core": kvcached_core.__file__,
-                          "kvcached_vllm": kvcached_vllm.__file__}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "quit":
-            break
-        if cmd["op"] == "generate":
-            params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"],
-                                    ignore_eos=True)
-            before = preemptions()
-            t = time.perf_counter()
-            res = llm.generate(prompts(cmd["n"], cmd["length"], cmd["seed"]), params,
-                               use_tqdm=False)
-            answer = {"seconds": time.perf_counter() - t,
-                      "lengths": [len(r.outputs[0].token_ids) for r in res],
-                      "tokens": [list(r.outputs[0].token_ids) for r in res],
-                      "preemptions": preemptions() - before}
-        else:
-            answer = {"error": f"unknown op {cmd['op']}"}
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
+    _serve(out, {"kvcached_core": kvcached_core.__file__,
+                 "kvcached_vllm": kvcached_vllm.__file__}, generate)
     shutdown = getattr(llm, "shutdown", None)
     if shutdown is not None:
         shutdown()
@@ -114,9 +126,7 @@ def child(model: str) -> None:
 
 def sglang_child(model: str) -> None:
     """One SGLang engine, the same command channel as :func:`child` (greedy, token ids)."""
-    sys.stdout.flush()
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    out = _answers()
     import sglang as sgl
 
     engine = sgl.Engine(
@@ -124,30 +134,23 @@ def sglang_child(model: str) -> None:
         attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
         page_size=1, max_total_tokens=65536, grammar_backend="none", random_seed=0,
         log_level="warning")
+
+    def generate(cmd: dict) -> dict:
+        ids = [p["prompt_token_ids"] for p in prompts(cmd["n"], cmd["length"], cmd["seed"])]
+        t = time.perf_counter()
+        res = engine.generate(input_ids=ids, sampling_params={
+            "temperature": 0.0, "max_new_tokens": cmd["max_tokens"], "ignore_eos": True})
+        return {"seconds": time.perf_counter() - t,
+                "lengths": [len(r["output_ids"]) for r in res],
+                "tokens": [list(r["output_ids"]) for r in res],
+                "preemptions": None}  # SGLang keeps no such counter for an engine
+
     import kvcached_core
     import kvcached_sglang
 
-    out.write(json.dumps({"ready": True, "kvcached_core": kvcached_core.__file__,
-                          "kvcached_sglang": kvcached_sglang.__file__,
-                          "sglang": sgl.__version__}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "quit":
-            break
-        if cmd["op"] == "generate":
-            ids = [p["prompt_token_ids"] for p in prompts(cmd["n"], cmd["length"], cmd["seed"])]
-            t = time.perf_counter()
-            res = engine.generate(input_ids=ids, sampling_params={
-                "temperature": 0.0, "max_new_tokens": cmd["max_tokens"], "ignore_eos": True})
-            answer = {"seconds": time.perf_counter() - t,
-                      "lengths": [len(r["output_ids"]) for r in res],
-                      "tokens": [list(r["output_ids"]) for r in res],
-                      "preemptions": None}  # SGLang keeps no such counter for an engine
-        else:
-            answer = {"error": f"unknown op {cmd['op']}"}
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
+    _serve(out, {"kvcached_core": kvcached_core.__file__,
+                 "kvcached_sglang": kvcached_sglang.__file__, "sglang": sgl.__version__},
+           generate)
     engine.shutdown()
 
 
