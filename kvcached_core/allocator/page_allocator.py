@@ -139,6 +139,7 @@ from kvcached_core.errors import (
     KVCachedError,
     MappingError,
 )
+from kvcached_core.sentinel import UNSET as _UNSET
 
 __all__ = ["BUDGET_WAIT_S", "CONTROL_POLL_S", "DEMAND_WINDOW_S", "GIVEBACK_FACTOR",
            "REFILL_BATCH", "PageAllocator", "PageStats"]
@@ -164,14 +165,6 @@ _FREE, _RESERVED, _IN_USE, _MAPPING, _UNMAPPING, _BROKEN = range(6)
 _STATE_NAMES = ("free", "reserved", "in use", "being mapped", "being unmapped", "broken")
 
 _WAIT, _STOP, _REFILL, _TRIM, _RETIRE, _READ, _CONTROL = range(7)
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-_UNSET: Any = _Unset()
 
 
 @dataclass(frozen=True)
