@@ -248,9 +248,10 @@ std::string PageServer::serve(int fd) {
     }
     const bool page_request = (h.type == kTypeMap || h.type == kTypeUnmap ||
                                h.type == kTypeQuery || h.type == kTypeMemInfo);
-    if (!page_request || h.status != kStatusOk || h.text_len != 0 || !has_group(h.group)) {
-      return frame;
-    }
+    // A request's text, if any, means nothing to a page operation (the Python
+    // listener ignores it too). A status in a request is malformed, and a
+    // group this server lacks may be the handler's: both go back to Python.
+    if (!page_request || h.status != kStatusOk || !has_group(h.group)) return frame;
     // An injected IPC failure drops the connection without a reply, as a
     // crashed or wedged worker would; a stall delays the reply.
     if (faults::hit(faults::Site::kIpc) == faults::Action::kFail) return {};
