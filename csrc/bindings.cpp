@@ -10,6 +10,7 @@
 #include "block_table_type.h"
 #include "page_mapper.h"
 #include "page_server.h"
+#include "protocol.h"
 #include "raw_timing.h"
 
 namespace py = pybind11;
@@ -57,6 +58,42 @@ PYBIND11_MODULE(_native, m) {
       PyErr_SetString(python_error_for(e.kind()), e.what());
     }
   });
+
+  {  // The IPC wire protocol as compiled in (protocol.h), for the test that
+     // holds it equal to kvcached_core/ipc/protocol.py.
+    namespace wire = protocol;
+    py::dict p;
+    p["magic"] = py::bytes(wire::kMagic, sizeof wire::kMagic);
+    p["version"] = wire::kVersion;
+    p["header_size"] = wire::kHeaderSize;
+    p["reply_bit"] = wire::kReplyBit;
+    p["max_count"] = wire::kMaxCount;
+    p["max_text"] = wire::kMaxText;
+    py::dict offsets;
+    offsets["version"] = wire::kOffVersion;
+    offsets["type"] = wire::kOffType;
+    offsets["status"] = wire::kOffStatus;
+    offsets["request_id"] = wire::kOffRequestId;
+    offsets["group"] = wire::kOffGroup;
+    offsets["count"] = wire::kOffCount;
+    offsets["text_len"] = wire::kOffTextLen;
+    p["offsets"] = offsets;
+    py::dict types;
+    types["HELLO"] = wire::kTypeHello;
+    types["PING"] = wire::kTypePing;
+    types["MAP"] = wire::kTypeMap;
+    types["UNMAP"] = wire::kTypeUnmap;
+    types["QUERY"] = wire::kTypeQuery;
+    types["MEMINFO"] = wire::kTypeMemInfo;
+    p["types"] = types;
+    py::dict statuses;
+    statuses["OK"] = wire::kStatusOk;
+    statuses["ERROR"] = wire::kStatusError;
+    statuses["BAD_REQUEST"] = wire::kStatusBadRequest;
+    statuses["OUT_OF_MEMORY"] = wire::kStatusOutOfMemory;
+    p["statuses"] = statuses;
+    m.attr("PROTOCOL") = p;
+  }
 
   m.def("compiled_backends", &compiled_backends,
         "Backends compiled into this build, in preference order.");

@@ -16,13 +16,7 @@ namespace {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the IPC protocol is little-endian; this build reads it natively");
 
-// kvcached_core/ipc/protocol.py, version 2.
-constexpr char kMagic[4] = {'K', 'V', 'C', 'I'};
-constexpr std::uint8_t kVersion = 2;
-constexpr std::size_t kHeaderSize = 28;
-constexpr std::uint8_t kReplyBit = 0x80;
-constexpr std::uint32_t kMaxCount = 1u << 24;
-constexpr std::uint32_t kMaxText = 64 * 1024;
+using namespace protocol;  // the wire's numbers (protocol.h)
 // Payload bytes read (and buffered) at a time.
 constexpr std::size_t kReadChunk = 1 << 20;
 
@@ -37,34 +31,30 @@ struct Header {
 
 Header unpack(const char* p) {
   Header h;
-  h.type = static_cast<std::uint8_t>(p[5]);
-  std::memcpy(&h.status, p + 6, 2);
-  std::memcpy(&h.request_id, p + 8, 8);
-  std::memcpy(&h.group, p + 16, 4);
-  std::memcpy(&h.count, p + 20, 4);
-  std::memcpy(&h.text_len, p + 24, 4);
+  h.type = static_cast<std::uint8_t>(p[kOffType]);
+  std::memcpy(&h.status, p + kOffStatus, 2);
+  std::memcpy(&h.request_id, p + kOffRequestId, 8);
+  std::memcpy(&h.group, p + kOffGroup, 4);
+  std::memcpy(&h.count, p + kOffCount, 4);
+  std::memcpy(&h.text_len, p + kOffTextLen, 4);
   return h;
 }
 
-// Reply statuses (protocol.py Status).
-constexpr std::uint16_t kStatusError = 1;
-constexpr std::uint16_t kStatusOutOfMemory = 3;
-
 void pack_reply(std::string& out, const Header& req, const std::vector<std::int64_t>& values,
-                std::uint16_t status = 0, const std::string& text = {}) {
+                std::uint16_t status = kStatusOk, const std::string& text = {}) {
   const std::uint8_t type = req.type | kReplyBit;
   const std::uint32_t count = static_cast<std::uint32_t>(values.size());
   const std::uint32_t text_len = static_cast<std::uint32_t>(std::min<std::size_t>(text.size(), kMaxText));
   out.resize(kHeaderSize + 8 * values.size() + text_len);
   char* p = out.data();
   std::memcpy(p, kMagic, 4);
-  p[4] = static_cast<char>(kVersion);
-  p[5] = static_cast<char>(type);
-  std::memcpy(p + 6, &status, 2);
-  std::memcpy(p + 8, &req.request_id, 8);
-  std::memcpy(p + 16, &req.group, 4);
-  std::memcpy(p + 20, &count, 4);
-  std::memcpy(p + 24, &text_len, 4);
+  p[kOffVersion] = static_cast<char>(kVersion);
+  p[kOffType] = static_cast<char>(type);
+  std::memcpy(p + kOffStatus, &status, 2);
+  std::memcpy(p + kOffRequestId, &req.request_id, 8);
+  std::memcpy(p + kOffGroup, &req.group, 4);
+  std::memcpy(p + kOffCount, &count, 4);
+  std::memcpy(p + kOffTextLen, &text_len, 4);
   if (!values.empty()) std::memcpy(p + kHeaderSize, values.data(), 8 * values.size());
   if (text_len) std::memcpy(p + kHeaderSize + 8 * values.size(), text.data(), text_len);
 }
@@ -235,7 +225,7 @@ std::string PageServer::serve(int fd) {
     std::size_t got = read_full(fd, frame.data(), kHeaderSize);
     if (got == 0) return {};
     if (got < kHeaderSize || std::memcmp(frame.data(), kMagic, 4) != 0 ||
-        static_cast<std::uint8_t>(frame[4]) != kVersion) {
+        static_cast<std::uint8_t>(frame[kOffVersion]) != kVersion) {
       frame.resize(got);
       return frame;
     }
@@ -256,11 +246,12 @@ std::string PageServer::serve(int fd) {
         return frame;
       }
     }
-    const bool page_request = (h.type == static_cast<std::uint8_t>(PageOp::kMap) ||
-                               h.type == static_cast<std::uint8_t>(PageOp::kUnmap) ||
-                               h.type == static_cast<std::uint8_t>(PageOp::kQuery) ||
-                               h.type == static_cast<std::uint8_t>(PageOp::kMemInfo));
-    if (!page_request || h.status != 0 || h.text_len != 0 || !has_group(h.group)) return frame;
+    const bool page_request = (h.type == kTypeMap || h.type == kTypeUnmap ||
+                               h.type == kTypeQuery || h.type == kTypeMemInfo);
+    // A request's text, if any, means nothing to a page operation (the Python
+    // listener ignores it too). A status in a request is malformed, and a
+    // group this server lacks may be the handler's: both go back to Python.
+    if (!page_request || h.status != kStatusOk || !has_group(h.group)) return frame;
     // An injected IPC failure drops the connection without a reply, as a
     // crashed or wedged worker would; a stall delays the reply.
     if (faults::hit(faults::Site::kIpc) == faults::Action::kFail) return {};

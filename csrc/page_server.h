@@ -5,8 +5,8 @@
 // A worker that computes in Python holds the GIL most of the time; a Python
 // listener thread then waits milliseconds for it before and after every
 // request. PageServer::serve reads frames of kvcached's IPC protocol
-// (kvcached_core/ipc/protocol.py: 28-byte little-endian header, int64
-// payload) and answers MAP, UNMAP, QUERY and MEMINFO requests for its groups
+// (protocol.h, kvcached_core/ipc/protocol.py: 28-byte little-endian header,
+// int64 payload) and answers MAP, UNMAP, QUERY and MEMINFO requests for its groups
 // itself, failures included (an error reply with the error's kind and text,
 // status OUT_OF_MEMORY when the device had no memory). Every other frame
 // (handshake, ping, a reply, a malformed frame, an unknown group) is handed
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "page_mapper.h"
+#include "protocol.h"
 
 namespace kvcached {
 
@@ -33,8 +34,13 @@ struct ServedTensor {
   std::vector<std::int64_t> bases;
 };
 
-// The protocol's request types the server applies (same numbers as the wire).
-enum class PageOp : std::uint8_t { kMap = 3, kUnmap = 4, kQuery = 5, kMemInfo = 6 };
+// The protocol's request types the server applies (their numbers on the wire).
+enum class PageOp : std::uint8_t {
+  kMap = protocol::kTypeMap,
+  kUnmap = protocol::kTypeUnmap,
+  kQuery = protocol::kTypeQuery,
+  kMemInfo = protocol::kTypeMemInfo,
+};
 
 class PageServer {
  public:

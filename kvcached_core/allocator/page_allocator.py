@@ -107,10 +107,11 @@ the memory of worker processes.
 Threads and fork
 ----------------
 All state sits behind one lock; driver work (map, unmap, pool trim) runs
-outside it, on pages marked in flight. The background thread (daemon) starts
-on the first allocation, only when ``prealloc`` or idle trim is on, never at
-import or construction. :meth:`PageAllocator.close` stops and joins it; it
-also ends by itself once the allocator is garbage-collected. After ``fork()``
+outside it, on pages marked in flight. The background thread (daemon; the
+*refiller*, ``kvcached-pages-<device>``) starts on the first allocation, only
+when ``prealloc`` or idle trim is on, never at import or construction.
+:meth:`PageAllocator.close` stops and joins it; it also ends by itself once
+the allocator is garbage-collected. After ``fork()``
 the child has no thread and must not use the parent's allocator (GPU
 mappings do not survive fork either): every call there raises
 :class:`~kvcached_core.errors.ForkedProcessError` before touching the lock, which
@@ -139,6 +140,7 @@ from kvcached_core.errors import (
     KVCachedError,
     MappingError,
 )
+from kvcached_core.sentinel import UNSET as _UNSET
 
 __all__ = ["BUDGET_WAIT_S", "CONTROL_POLL_S", "DEMAND_WINDOW_S", "GIVEBACK_FACTOR",
            "REFILL_BATCH", "PageAllocator", "PageStats"]
@@ -166,14 +168,6 @@ _STATE_NAMES = ("free", "reserved", "in use", "being mapped", "being unmapped", 
 _WAIT, _STOP, _REFILL, _TRIM, _RETIRE, _READ, _CONTROL = range(7)
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-_UNSET: Any = _Unset()
-
-
 @dataclass(frozen=True)
 class PageStats:
     """A consistent snapshot of a :class:`PageAllocator`'s page counts."""
@@ -198,12 +192,12 @@ class PageStats:
 
 
 def _wake(cond: threading.Condition) -> None:
-    """Finalizer: let a waiting worker notice that its allocator is gone."""
+    """Finalizer: let a waiting refiller notice that its allocator is gone."""
     with cond:
         cond.notify_all()
 
 
-def _worker_loop(ref: weakref.ref[PageAllocator], cond: threading.Condition) -> None:
+def _refiller_loop(ref: weakref.ref[PageAllocator], cond: threading.Condition) -> None:
     """Background refill and idle trim; holds the allocator only while acting."""
     while True:
         with cond:
@@ -345,7 +339,7 @@ class PageAllocator:
         self._last_activity = time.monotonic()
         self._idle_trimmed = False
         self._refill_wanted = False
-        self._worker_busy = False
+        self._refiller_busy = False
         self._stop = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -480,7 +474,7 @@ class PageAllocator:
             raise ValueError(f"cannot allocate {n} pages")
         self._check_owner()
         self._refresh_phys()
-        self._ensure_worker()
+        self._ensure_refiller()
         with self._cond:
             if self._closed:
                 raise KVCachedError("this PageAllocator is closed")
@@ -536,7 +530,7 @@ class PageAllocator:
         self._check_page(page_id)
         self._check_owner()
         self._refresh_phys()
-        self._ensure_worker()
+        self._ensure_refiller()
         with self._cond:
             if self._closed:
                 raise KVCachedError("this PageAllocator is closed")
@@ -677,7 +671,7 @@ class PageAllocator:
                     or self._n_unmapping
                     or self._refill_wanted
                     or self._phys_wanted
-                    or self._worker_busy
+                    or self._refiller_busy
                     or (self._retire_wanted and self._excess_locked() > 0
                         and self._safe_excess_locked())
                 ),
@@ -806,7 +800,7 @@ class PageAllocator:
         self._last_activity = time.monotonic() if now is None else now
         if self._idle_trimmed:
             self._idle_trimmed = False
-            self._cond.notify_all()  # the worker waits without a deadline after a trim
+            self._cond.notify_all()  # the refiller waits without a deadline after a trim
 
     def _map_fresh(self, taken: list[int], fresh: list[int], prefetch: bool = False) -> bool:
         """Map ``fresh`` (marked in flight); on failure put everything back.
@@ -937,7 +931,7 @@ class PageAllocator:
 
     # ------------------------------------------------------------ background
 
-    def _ensure_worker(self) -> None:
+    def _ensure_refiller(self) -> None:
         if self._thread is not None or not (
             self._prealloc or self._idle_trim_s > 0 or self._fence is not None
             or self._budget is not None or self._limit_source is not None
@@ -947,7 +941,7 @@ class PageAllocator:
             if self._thread is None and not self._stop:
                 dev = self._kv.device
                 self._thread = threading.Thread(
-                    target=_worker_loop,
+                    target=_refiller_loop,
                     args=(weakref.ref(self), self._cond),
                     name=f"kvcached-pages-{dev.backend}{dev.index}",
                     daemon=True,
@@ -955,7 +949,7 @@ class PageAllocator:
                 self._thread.start()
 
     def _decide_locked(self, now: float) -> tuple[int, float | None]:
-        """The worker's next step, and how long to wait when there is none."""
+        """The refiller's next step, and how long to wait when there is none."""
         if self._stop:
             return _STOP, None
         if self._budget is None and self._limit_source is None:
@@ -964,7 +958,7 @@ class PageAllocator:
             self._next_poll = now + CONTROL_POLL_S
             self._poll_control_locked()
         if self._pending_limit is not _UNSET or self._pending_pressure:
-            self._worker_busy = True
+            self._refiller_busy = True
             return _CONTROL, None
         action, timeout = self._decide_work_locked(now)
         if action == _WAIT:
@@ -991,30 +985,30 @@ class PageAllocator:
             return _STOP, None
         if self._phys_wanted:
             self._phys_wanted = False
-            self._worker_busy = True
+            self._refiller_busy = True
             return _READ, None
         if self._retire_wanted:
             if self._excess_locked() <= 0:
                 self._retire_wanted = False
             elif self._safe_excess_locked():
-                self._worker_busy = True
+                self._refiller_busy = True
                 return _RETIRE, None
         if self._refill_wanted:
             self._refill_wanted = False
-            self._worker_busy = True
+            self._refiller_busy = True
             return _REFILL, None
         if self._idle_trim_s > 0 and not self._idle_trimmed:
             deadline = self._last_activity + self._idle_trim_s
             if now < deadline:
                 return _WAIT, deadline - now
             self._idle_trimmed = True
-            self._worker_busy = True
+            self._refiller_busy = True
             return _TRIM, None
         return _WAIT, None
 
     def _work_done(self) -> None:
         with self._cond:
-            self._worker_busy = False
+            self._refiller_busy = False
             self._cond.notify_all()
 
     def _safe_excess_locked(self) -> bool:
@@ -1035,7 +1029,7 @@ class PageAllocator:
             self._limit_source = source
             self._next_poll = 0.0
             self._cond.notify_all()
-        self._ensure_worker()
+        self._ensure_refiller()
 
     def set_evictor(self, evictor: Callable[[int], int] | None) -> None:
         """Register the engine's eviction of prefix-cached pages.

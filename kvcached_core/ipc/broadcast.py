@@ -43,6 +43,7 @@ from pathlib import Path
 from kvcached_core import faults as _faults
 from kvcached_core.config import DEFAULT_IPC_TIMEOUT_S, check_range, env_setting
 from kvcached_core.errors import IPCError, ProtocolError, WorkerError, WorkerOutOfMemoryError
+from kvcached_core.forks import at_fork_in_child
 from kvcached_core.ipc import paths
 from kvcached_core.ipc.protocol import Message, MsgType, Status, encode_request, read_message
 from kvcached_core.ipc.worker import _trusted, peer_credentials
@@ -100,7 +101,6 @@ def _process_hint(pid: int) -> str:
 
 
 _GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
-_FORK_HOOK = False
 
 
 def _after_fork_in_child() -> None:
@@ -165,10 +165,7 @@ class WorkerGroup:
         self._next_id = 1
         self._failed: WorkerError | None = None
         self._closed = False
-        global _FORK_HOOK
-        if not _FORK_HOOK:
-            os.register_at_fork(after_in_child=_after_fork_in_child)
-            _FORK_HOOK = True
+        at_fork_in_child(_after_fork_in_child)
         _GROUPS.add(self)
 
     @classmethod

@@ -25,6 +25,10 @@ followed by an optional payload::
 
 Version 2 added MEMINFO; peers of different versions refuse each other.
 
+The native page server reads and writes the same frames: ``csrc/protocol.h``
+repeats these numbers for C++, and ``tests/ipc/test_protocol_constants.py``
+holds it (as written and as built) equal to this module.
+
 A frame is decoded only after its header has been validated, so a peer that
 speaks something else is told so ("bad magic") instead of being read as a
 gigantic length. Limits: :data:`MAX_COUNT` values and :data:`MAX_TEXT` bytes

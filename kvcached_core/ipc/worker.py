@@ -134,10 +134,13 @@ class WorkerListener:
         label: Free text reported in the handshake (e.g. ``"vllm worker cuda:1"``).
         server: Optional ``kvcached_core._native.PageServer`` doing what
             ``handler`` does for its KV groups: it then reads the connections
-            and answers their map / unmap / query requests without the GIL (a
-            worker computing in Python holds the GIL most of the time, which
-            delayed each request by milliseconds). Frames it leaves (handshake,
-            ping, other groups, malformed frames, failed requests) reach this
+            and answers their map / unmap / query / meminfo requests without
+            the GIL (a worker computing in Python holds the GIL most of the
+            time, which delayed each request by milliseconds), failed ones
+            included: the error reply carries the native error's type and
+            text, with status ``OUT_OF_MEMORY`` when the device had no memory,
+            as this listener's own replies do. Frames it leaves (handshake,
+            ping, groups it does not hold, malformed frames) reach this
             listener and ``handler`` as without it.
         cpus: CPUs the listener's threads (and threads they start, such as
             the host backend's page populator) run on; ``None`` keeps the

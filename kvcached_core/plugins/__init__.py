@@ -4,6 +4,7 @@
 * :mod:`.records`: the typed records plugins return and kvcached reports.
 * :mod:`.patching`: :class:`Patch` and the all-or-nothing :class:`PatchSet`.
 * :mod:`.versions`: engine version detection and range matching.
+* :mod:`.rebind`: engine functions run under substituted global names (:func:`with_globals`).
 * :mod:`.manager`: entry-point discovery (group ``kvcached.engines``) and hook calls.
 * :mod:`.bootstrap`: :func:`bootstrap`, called from an adapter's engine entry point.
 * :mod:`.doctor`: the report behind ``kvctl doctor``.
@@ -28,6 +29,7 @@ from kvcached_core.plugins.manager import (
     select_backend,
 )
 from kvcached_core.plugins.patching import UNSET, Patch, PatchSet, active_patches, parse_target
+from kvcached_core.plugins.rebind import reads_global, with_globals
 from kvcached_core.plugins.records import (
     BackendRecord,
     BootstrapResult,
@@ -70,9 +72,11 @@ __all__ = [
     "parse_specifier",
     "parse_target",
     "parse_version",
+    "reads_global",
     "reset_bootstrap",
     "reset_plugin_manager",
     "select_backend",
     "teardown",
     "version_matches",
+    "with_globals",
 ]

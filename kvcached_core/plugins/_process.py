@@ -2,20 +2,20 @@
 
 One re-entrant lock serialises applying and reverting patches. A child created
 by ``fork()`` gets a fresh lock (the parent's could be held by a thread that
-does not exist in the child); everything else a child inherits (applied
-patches and the record of them) stays valid, because its memory is a copy of
-the parent's.
+does not exist in the child; :mod:`kvcached_core.forks` replaces it);
+everything else a child inherits (applied patches and the record of them)
+stays valid, because its memory is a copy of the parent's.
 """
 
 from __future__ import annotations
 
-import os
 import threading
+
+from kvcached_core.forks import at_fork_in_child
 
 __all__ = ["process_lock", "watch_forks"]
 
 _lock = threading.RLock()
-_fork_hook_registered = False
 
 
 def _after_fork_in_child() -> None:
@@ -25,12 +25,7 @@ def _after_fork_in_child() -> None:
 
 def watch_forks() -> None:
     """Register the fork handler once per process (cheap to call repeatedly)."""
-    global _fork_hook_registered
-    if _fork_hook_registered:
-        return
-    _fork_hook_registered = True
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_after_fork_in_child)
+    at_fork_in_child(_after_fork_in_child)
 
 
 def process_lock() -> threading.RLock:

@@ -65,6 +65,7 @@ from kvcached_core.plugins.records import (
     describe_owner,
 )
 from kvcached_core.plugins.versions import parse_specifier, parse_version, version_matches
+from kvcached_core.sentinel import UNSET  # re-exported: Patch(replacement=...)'s default
 
 __all__ = [
     "UNSET",
@@ -75,27 +76,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("kvcached")
-
-
-class _Unset:
-    """Marks "no value": an unset ``replacement`` or a missing attribute."""
-
-    _instance: _Unset | None = None
-
-    def __new__(cls) -> _Unset:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-    def __bool__(self) -> bool:
-        return False
-
-
-#: Default of :attr:`Patch.replacement`; ``replacement=None`` sets the attribute to ``None``.
-UNSET: Any = _Unset()
 
 _METHOD_KINDS = (staticmethod, classmethod)
 

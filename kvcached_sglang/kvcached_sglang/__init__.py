@@ -6,6 +6,18 @@ Installing the distribution is enough: SGLang >= 0.5.11 loads it through its
 ``KVCACHED_ENABLED=0``, or an ``SGLANG_PLUGINS`` allow-list without ``kvcached``,
 keeps SGLang vanilla.
 
+The distribution has two entry points, one per host that loads it:
+
+=========================  ===========================  ======================================
+entry-point group          loaded by                    module
+=========================  ===========================  ======================================
+``sglang.srt.plugins``     SGLang >= 0.5.11, in every   :mod:`kvcached_sglang.entry`
+                           engine process (older: the   (:func:`~kvcached_sglang.entry.register`)
+                           auto-load hook)
+``kvcached.engines``       kvcached-core (bootstrap,    :mod:`kvcached_sglang.plugin`
+                           ``kvctl doctor``)            (the adapter record)
+=========================  ===========================  ======================================
+
 Importing this package is cheap: it imports neither SGLang, torch nor kvcached-core
 (the ``.pth`` imports it in every interpreter).
 """

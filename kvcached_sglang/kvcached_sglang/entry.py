@@ -1,4 +1,7 @@
-"""SGLang's entry point (group ``sglang.srt.plugins``, SGLang >= 0.5.11).
+"""SGLang's own entry point into kvcached (group ``sglang.srt.plugins``, SGLang >= 0.5.11).
+
+SGLang loads this module; kvcached-core's bootstrap then finds the adapter record
+through the other entry point, :mod:`kvcached_sglang.plugin` (group ``kvcached.engines``).
 
 SGLang's ``load_plugins()`` calls :func:`register` with no arguments in
 ``Engine.__init__``, the launchers and at the start of every scheduler process

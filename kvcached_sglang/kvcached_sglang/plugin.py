@@ -1,4 +1,7 @@
-"""kvcached plugin (group ``kvcached.engines``): the SGLang engine adapter record.
+"""kvcached-core's entry point (group ``kvcached.engines``): the SGLang engine adapter record.
+
+kvcached-core loads this module (bootstrap, ``kvctl doctor``), never SGLang: SGLang
+itself loads :mod:`kvcached_sglang.entry` (group ``sglang.srt.plugins``).
 
 Importing this module is cheap: it imports neither SGLang nor torch.
 """

@@ -14,7 +14,8 @@ Physical memory is still checked on every map: when other engines hold it,
 allocation reports no space and the scheduler waits (a scheduling miss).
 
 The profiling code runs unchanged, with one name rebound in a private copy of
-its globals (``get_available_gpu_memory``); SGLang's module is never modified.
+its globals (``get_available_gpu_memory``, through
+:func:`kvcached_core.plugins.with_globals`); SGLang's module is never modified.
 Where the release keeps it (the gates in :mod:`kvcached_sglang.patches`):
 
 * ``ModelRunner.profile_max_num_token(total_gpu_memory)``: 0.4.9 - 0.5.10;
@@ -31,11 +32,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import types
 from collections.abc import Callable
 from typing import Any
 
 from kvcached_core.errors import PatchError
+from kvcached_core.plugins.rebind import reads_global, with_globals
 
 __all__ = ["LAST_PROFILE", "device_view", "make_virtual_profile", "static_reason"]
 
@@ -120,12 +121,12 @@ def static_reason(obj: Any) -> str | None:
 
 def make_virtual_profile(original: Callable[..., Any], version: Any) -> Callable[..., Any]:
     """Patch wrapper for the release's profiling method (first argument: the pre-load GiB)."""
-    code = getattr(original, "__code__", None)
-    if code is None or _PROBE not in code.co_names or _PROBE not in original.__globals__:
+    if not reads_global(original, _PROBE) or _PROBE not in original.__globals__:
         raise PatchError(
             f"SGLang {version}: {getattr(original, '__qualname__', original)} no longer calls "
             f"{_PROBE}; the memory-profile gate did not foresee this")
 
+    code = original.__code__
     pre_load_name = code.co_varnames[1] if code.co_argcount >= 2 else None
     if pre_load_name is None:
         raise PatchError(f"SGLang {version}: {original.__qualname__} takes no pre-load memory "
@@ -144,11 +145,7 @@ def make_virtual_profile(original: Callable[..., Any], version: Any) -> Callable
         else:
             pre_load_gib = kwargs[pre_load_name]
             kwargs = {**kwargs, pre_load_name: view[0] / GiB}
-        scope = dict(original.__globals__)
-        scope[_PROBE] = _virtual_probe
-        alone = types.FunctionType(code, scope, original.__name__, original.__defaults__,
-                                   original.__closure__)
-        alone.__kwdefaults__ = original.__kwdefaults__
+        alone = with_globals(original, **{_PROBE: _virtual_probe})
         result = alone(self, *args, **kwargs)
         LAST_PROFILE.update(method=original.__qualname__, result=result,
                             measured_pre_load_gib=float(pre_load_gib),

@@ -1,9 +1,19 @@
 """kvcached-vllm: vLLM runs with an elastic KV cache once this is installed.
 
-vLLM loads the ``vllm.general_plugins`` entry point :func:`kvcached_vllm.entry.register`
-in every engine process; it applies the version-gated patch set of
-:mod:`kvcached_vllm.patches` through kvcached-core's plugin framework. Importing
-this package imports neither vLLM nor torch.
+The distribution has two entry points, one per host that loads it:
+
+=========================  ===========================  ======================================
+entry-point group          loaded by                    module
+=========================  ===========================  ======================================
+``vllm.general_plugins``   vLLM, in every engine        :mod:`kvcached_vllm.entry`
+                           process                      (:func:`~kvcached_vllm.entry.register`)
+``kvcached.engines``       kvcached-core (bootstrap,    :mod:`kvcached_vllm.plugin`
+                           ``kvctl doctor``)            (the adapter record)
+=========================  ===========================  ======================================
+
+``register`` applies the version-gated patch set of :mod:`kvcached_vllm.patches`
+through kvcached-core's plugin framework, which finds it through the adapter
+record. Importing this package imports neither vLLM nor torch.
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,7 @@
-"""vLLM's entry point (group ``vllm.general_plugins``).
+"""vLLM's own entry point into kvcached (group ``vllm.general_plugins``).
+
+vLLM loads this module; kvcached-core's bootstrap then finds the adapter record
+through the other entry point, :mod:`kvcached_vllm.plugin` (group ``kvcached.engines``).
 
 vLLM calls :func:`register` with no arguments in the API/driver process
 (``EngineArgs.__post_init__``), at the start of ``EngineCore.__init__`` and in each

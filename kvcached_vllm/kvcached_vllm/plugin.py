@@ -1,4 +1,7 @@
-"""kvcached plugin (group ``kvcached.engines``): the vLLM engine adapter record.
+"""kvcached-core's entry point (group ``kvcached.engines``): the vLLM engine adapter record.
+
+kvcached-core loads this module (bootstrap, ``kvctl doctor``), never vLLM: vLLM
+itself loads :mod:`kvcached_vllm.entry` (group ``vllm.general_plugins``).
 
 Importing this module is cheap: it imports neither vLLM nor torch.
 """

@@ -43,12 +43,12 @@ import contextlib
 import logging
 import os
 import threading
-import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvcached_core.env import env_bool
 from kvcached_core.errors import KVCachedConfigError, KVCachedError
+from kvcached_core.plugins.rebind import reads_global, with_globals
 from kvcached_core.vmm import as_tensor, open_mapper
 
 from kvcached_vllm.geometry import KVGeometry, block_offset_for, page_size
@@ -285,22 +285,17 @@ def call_with_backing(func: Callable[..., Any], backing: ElasticKVBacking, *args
     """Run vLLM's own allocation function ``func`` with its ``torch.zeros`` served by ``backing``.
 
     The function's code runs unchanged; only its global name ``torch`` is
-    rebound for this one call.
+    rebound for this one call (:func:`kvcached_core.plugins.with_globals`).
 
     Raises:
         KVCachedConfigError: ``func`` is not plain Python code that allocates with ``torch.zeros``.
     """
-    code = getattr(func, "__code__", None)
-    if code is None or "torch" not in code.co_names:
+    if not reads_global(func, "torch"):
         raise KVCachedConfigError(
             f"{getattr(func, '__qualname__', func)!r} does not allocate through torch.zeros; "
             "kvcached cannot back it (is another plugin wrapping it?)"
         )
-    scope = dict(func.__globals__)
-    scope["torch"] = _TorchWithBacking(backing.zeros)
-    clone = types.FunctionType(code, scope, func.__name__, func.__defaults__, func.__closure__)
-    clone.__kwdefaults__ = func.__kwdefaults__
-    return clone(*args, **kwargs)
+    return with_globals(func, torch=_TorchWithBacking(backing.zeros))(*args, **kwargs)
 
 
 def current_backing() -> ElasticKVBacking | None:

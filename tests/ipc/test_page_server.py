@@ -83,6 +83,29 @@ def test_a_failing_request_is_answered_natively_and_maps_nothing(served):
     assert not served.a.is_mapped(PAGES - 1) and not served.a.is_mapped(PAGES)
 
 
+def test_a_page_request_carrying_text_is_answered_natively(served):
+    """A request's text means nothing to a page operation: the server answers it, failures too."""
+    from kvcached_core.ipc.protocol import MsgType, encode_request
+
+    raw = socket.socket(socket.AF_UNIX)
+    raw.settimeout(5)
+    raw.connect(served.path)
+    try:
+        raw.sendall(encode_request(MsgType.MAP, 7, 0, [2], text="a note"))
+        reply = read_message(raw)
+        assert (reply.is_reply, reply.type, reply.request_id, reply.status) == (
+            True, MsgType.MAP, 7, Status.OK)
+        assert mapped(served, 2) == [True, True, True]
+        raw.sendall(encode_request(MsgType.MAP, 8, 0, [2], text="again"))
+        reply = read_message(raw)
+        assert reply.status == Status.ERROR and reply.request_id == 8
+        assert reply.text.startswith("MappingError: ") and "already mapped" in reply.text
+    finally:
+        raw.close()
+    assert served.calls == [] and served.listener.handler_errors == 0  # Python saw none of it
+    assert served.server.served == 2
+
+
 def test_meminfo_reports_the_device_and_the_pooled_handles(served):
     with WorkerGroup([served.path], timeout=10, connect_timeout=10) as group:
         group.map(0, [1])
