@@ -366,6 +366,8 @@ class PageAllocator:
             fence.subscribe(self, on_step_completed)
 
         limit = s.memory_limit if memory_limit is _UNSET else memory_limit
+        #: The limit the pool was configured with: lifting a live limit returns to it.
+        self._configured_limit = limit
         if limit is not None:
             self.set_memory_limit(limit)
 
@@ -1021,9 +1023,10 @@ class PageAllocator:
     # ------------------------------------------------------------ budget, live limits
 
     def watch_limit(self, source: Any) -> None:
-        """Apply the limits ``source.poll_limit()`` reports (bytes, negative for none;
-        ``None`` when unchanged) from the background thread, within
-        :data:`CONTROL_POLL_S` also when the engine is idle."""
+        """Apply the limits ``source.poll_limit()`` reports (bytes; negative: the live
+        limit is lifted and the configured one, ``KVCACHED_MEMORY_LIMIT`` or the
+        constructor's, applies again; ``None`` when unchanged) from the background
+        thread, within :data:`CONTROL_POLL_S` also when the engine is idle."""
         self._check_owner()
         with self._cond:
             self._limit_source = source
@@ -1060,7 +1063,7 @@ class PageAllocator:
         start = time.monotonic()
         before = self.num_mapped
         try:
-            pages = self.set_memory_limit(None if limit < 0 else limit)
+            pages = self.set_memory_limit(self._configured_limit if limit < 0 else limit)
         except KVCachedConfigError:
             _log.warning("kvcached: ignoring the bad memory limit %r", limit)
             return

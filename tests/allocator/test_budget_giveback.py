@@ -150,6 +150,20 @@ def test_live_limit_reaches_an_idle_pool_and_raising_restores_growth(
     seg.close()
 
 
+def test_lifting_a_live_limit_returns_to_the_configured_one(make_stack, shm_base, capsys):
+    a = make_stack(block_bytes=None, max_reserved=0, memory_limit=6 * PAGE_BYTES).pages
+    seg = shm.PoolSegment.create("eng", "kv0", capacity=16 * PAGE_BYTES)
+    a.watch_limit(seg)
+    assert kvctl(["limit", "eng", "kv0", str(2 * PAGE_BYTES)]) == 0
+    wait_until(lambda: a.limit_pages == 2, timeout=1.0)
+    assert kvctl(["limit", "eng", "kv0", "none"]) == 0
+    wait_until(lambda: a.limit_pages == 6, timeout=1.0)  # KVCACHED_MEMORY_LIMIT's 6 pages
+    assert a.memory_limit == 6 * PAGE_BYTES
+    assert a.alloc_pages(6) is not None and a.alloc_pages(1) is None
+    capsys.readouterr()
+    seg.close()
+
+
 @pytest.mark.parametrize("args, message", [
     (["limit", "eng", "kv0", "12XB"], "is not a size"),
     (["limit", "eng", "kv0", "--", "-5%"], "within 0..100%"),

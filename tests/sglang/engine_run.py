@@ -14,7 +14,8 @@ dist records on ``PYTHONPATH``, as ``conftest.release_env`` builds it):
        the ``engine_probe`` plugin inside the scheduler) and the scheduler's RSS;
     3. an idle spell (kvcached trims the radix cache to its cap: memory falls back); a
        second kvcached pool in this process then needs the device budget the idle engine
-       holds, and the engine gives back its reserve and prefix cache; then
+       holds, and the engine gives back its reserve and prefix cache; the burst again,
+       and ``kvctl limit`` of one page id on the idle engine, then lifted; then
        ``flush_cache()`` and another idle spell, sampling again;
     4. an idle spell during which SGLang's idle leak check runs (strict mode), then one
        more request to show the engine survived it;
@@ -131,6 +132,10 @@ def serve(model: str, work_dir: str, leak: bool) -> None:
     report["after_burst"] = sampler.settle(1.5)  # idle: the radix cache trimmed to the cap
     if "page_bytes" in report["after_burst"]:  # kvcached backs the pool
         report["giveback"] = _giveback(sampler)
+        # The burst again (its cache was given away), then kvctl limit on the idle engine.
+        engine.generate(input_ids=burst, sampling_params=greedy(BURST["new"]))
+        sampler.settle(1.5)
+        report["limit"] = _limit_cycle(sampler)
     report["flushed"] = bool(_flush(engine))
     report["after_flush"] = sampler.settle(2.0)
 
@@ -196,12 +201,37 @@ def _giveback(sampler: Sampler) -> dict:
         out["held_after"] = reading.mapped
         out["slots"] = {s.name: dict(mapped=s.mapped, given=s.given_bytes, misses=s.misses)
                         for s in reading.slots}
-        out["engine_after"] = sampler.read()
+        out["engine_after"] = sampler.settle(0.5)  # the probe writes its counters periodically
     finally:
         other.close()
         rec.set_capacity(bud.NO_BUDGET)
         rec.close()
     return out
+
+
+def _limit_cycle(sampler: Sampler) -> dict:
+    """``kvctl limit`` on the idle engine holding a prefix cache: one page id, then lifted.
+    Returns how long the engine took to get under the limit and what it held."""
+    from kvcached_core.ipc import shm
+
+    (pool,) = [p for p in shm.list_pools() if p.pool.startswith("mha-")]
+    before = sampler.read()
+    page = before["page_bytes"]
+    t0 = time.monotonic()
+    shm.set_limit(pool.namespace, pool.pool, page)
+    under = None
+    while time.monotonic() - t0 < 5:
+        st = shm.open_pool(pool.namespace, pool.pool)
+        with st:
+            if st.read().mapped <= page:
+                under = time.monotonic() - t0
+                break
+        time.sleep(0.002)
+    limited = sampler.read()
+    shm.set_limit(pool.namespace, pool.pool, shm.NO_LIMIT)
+    return {"pool": f"{pool.namespace}.{pool.pool}", "limit_bytes": page,
+            "under_limit_ms": None if under is None else round(1e3 * under, 1),
+            "engine_before": before, "engine_limited": limited}
 
 
 def _flush(engine) -> bool:

@@ -199,9 +199,11 @@ def test_kv_memory_grows_under_burst_and_falls_back(engine_run, version):
     assert peak_rss - flushed["rss"] >= unmapped // 2, (peak_rss, flushed["rss"], unmapped)
 
 
-def test_an_idle_engine_gives_memory_back_to_another_pool_on_the_device(engine_run, version):
+def test_an_idle_engine_gives_memory_back_to_another_pool_and_to_a_lower_limit(engine_run,
+                                                                               version):
     """The device budget is full and the engine idles with a prefix cache: another pool's
-    miss asks, and the engine's scheduler evicts cached pages and unmaps them."""
+    miss asks, and the engine's scheduler evicts cached pages and unmaps them. A lower
+    ``kvctl limit`` on the idle engine is met the same way."""
     g = engine_run(version, True)["giveback"]
     page = g["engine_before"]["page_bytes"]
     assert g["granted"], g
@@ -210,6 +212,12 @@ def test_an_idle_engine_gives_memory_back_to_another_pool_on_the_device(engine_r
     assert g["held_after"] <= g["capacity"], g
     before, after = g["engine_before"], g["engine_after"]
     assert after["used_tokens"] < before["used_tokens"], (before, after)  # cache evicted
+    lim = engine_run(version, True)["limit"]  # kvctl limit: one page id, on the idle engine
+    assert lim["engine_before"]["mapped"] > 1, lim  # it held cached pages
+    assert lim["under_limit_ms"] is not None and lim["under_limit_ms"] < 1000, lim
+    assert lim["engine_limited"]["mapped"] <= 1, lim
+    print(f"SGLang {version}: limit of one page id reached in {lim['under_limit_ms']} ms "
+          f"({lim['engine_before']['mapped']} page ids before)")
     print(f"SGLang {version}: giveback to another pool in {g['waited_ms']} ms, engine "
           f"{g['held_before'] >> 20} -> {engine['mapped'] >> 20} MiB mapped, cached tokens "
           f"{before['used_tokens']} -> {after['used_tokens']}")
