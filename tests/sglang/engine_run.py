@@ -227,7 +227,7 @@ def _limit_cycle(sampler: Sampler) -> dict:
                 under = time.monotonic() - t0
                 break
         time.sleep(0.002)
-    limited = sampler.read()
+    limited = sampler.settle(0.5)  # the probe writes its counters periodically
     shm.set_limit(pool.namespace, pool.pool, shm.NO_LIMIT)
     return {"pool": f"{pool.namespace}.{pool.pool}", "limit_bytes": page,
             "under_limit_ms": None if under is None else round(1e3 * under, 1),
