@@ -298,21 +298,47 @@ def wrap_initialize_kv_cache_tensors(original: Any) -> Any:
     return initialize_kv_cache_tensors
 
 
-def wrap_init_kv_cache_v2(original: Any) -> Any:
-    """V2 runner (``init_kv_cache`` as its module calls it): as V1."""
+def _elastic_init_kv_cache(original: Any, arguments: dict, args: tuple, kwargs: dict,
+                           nested: Any) -> Any:
+    """Run the V2 runner's ``init_kv_cache`` (called with ``args`` / ``kwargs``, bound as
+    ``arguments`` by :func:`_bind_attn_groups`) on kvcached memory."""
     from kvcached_vllm.worker import elastic_kv_caches
 
+    runner_list = arguments.get("runner_kv_caches")  # < 0.30: the runner's list, filled here
+    return elastic_kv_caches(
+        lambda: original(*args, **kwargs), device=arguments["device"],
+        kv_cache_config=arguments["kv_cache_config"], vllm_config=arguments["vllm_config"],
+        attn_groups=nested, reset=None if runner_list is None else runner_list.clear)
+
+
+def _bind_attn_groups(signature: inspect.Signature, args: tuple,
+                      kwargs: dict) -> tuple[dict, tuple, dict, Any]:
+    """``init_kv_cache``'s arguments, with a generator of attention groups read once.
+
+    vLLM >= 0.32 passes ``attn_groups`` as a generator, which vLLM itself reads
+    (to map the views to kernel blocks): kvcached reads it once, and vLLM gets
+    the same groups as a tuple.
+
+    Returns the bound arguments, the call's ``args`` / ``kwargs`` (the groups
+    as a tuple where they were a generator) and the groups nested per KV cache
+    group, as the V1 runner holds them (for the backend name in messages).
+    """
+    bound = signature.bind_partial(*args, **kwargs)
+    arguments = bound.arguments
+    groups = arguments.get("attn_groups", ())
+    if isinstance(groups, (list, tuple)):  # < 0.29: the runner's list of lists
+        return arguments, args, kwargs, groups
+    groups = arguments["attn_groups"] = tuple(groups)  # a generator of groups (>= 0.32)
+    return arguments, bound.args, bound.kwargs, (groups,)
+
+
+def wrap_init_kv_cache_v2(original: Any) -> Any:
+    """V2 runner (``init_kv_cache`` as its module calls it): as V1."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def init_kv_cache(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        runner_list = bound.get("runner_kv_caches")  # < 0.30: the runner's list, filled here
-        return elastic_kv_caches(
-            lambda: original(*args, **kwargs), device=bound["device"],
-            kv_cache_config=bound["kv_cache_config"], vllm_config=bound["vllm_config"],
-            attn_groups=bound.get("attn_groups", ()),
-            reset=None if runner_list is None else runner_list.clear)
+        return _elastic_init_kv_cache(original, *_bind_attn_groups(signature, args, kwargs))
 
     return init_kv_cache
 
