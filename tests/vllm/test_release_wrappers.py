@@ -58,3 +58,82 @@ def test_v2_init_kv_cache_hands_vllm_every_attention_group(caplog):
     # Nothing was allocated through kvcached here: vanilla, and the line names the backends.
     [line] = [r.getMessage() for r in caplog.records if "cannot page" in r.getMessage()]
     assert "FLASH_ATTN,TRITON_ATTN" in line
+
+
+# ------------------------------------------------------------------ ElasticBlockPool034
+
+PAGE = 2 << 20
+
+
+def _pool034(num_blocks: int = 32 * 8, max_cached: int | None = None):
+    """An ElasticBlockPool034 on the installed BlockPool, its blocks owned the 0.34 way."""
+    import weakref
+
+    from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
+    from kvcached_vllm.pool034 import ElasticBlockPool034
+
+    layout = KVLayout(num_layers=2, buffer_bytes=num_blocks * BLOCK, page_size=PAGE, num_buffers=1)
+    pages = PageAllocator(KVTensors.open("cpu", layout), prealloc=False, idle_trim_s=0,
+                          max_reserved=0, min_reserved=0)
+    blocks = KVBlockManager(pages, BLOCK, num_blocks=num_blocks)
+    pool = ElasticBlockPool034(num_blocks, True, 16, block_manager=blocks,
+                               max_cached_blocks=max_cached)
+    if not hasattr(pool, "_weak_self"):  # vLLM < 0.34: own the blocks as 0.34 does
+        pool._weak_self = weakref.ref(pool)
+        for block in pool.blocks:
+            block.pool = pool._weak_self
+    return pool
+
+
+def _request(n_blocks: int, salt: int = 0):
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    return SimpleNamespace(block_hashes=[BlockHash(bytes([salt, i]) * 16) for i in range(n_blocks)],
+                           request_id=f"r{salt}")
+
+
+def test_034_pool_knows_its_blocks_by_weak_reference():
+    pool = _pool034()
+    pages = pool.kv_block_manager.page_allocator
+    got = pool.get_new_blocks(40)
+    assert pages.num_mapped >= 2
+    pool.free_blocks(got)  # its own blocks: back to kvcached, pages unmapped
+    assert pages.num_mapped == 1 and pool.kv_block_manager.num_allocated == 1
+    assert pool.get_num_free_blocks() == pool.kv_block_manager.available_size()
+
+
+def test_034_pool_frees_other_pools_blocks_there_and_drops_dead_ones():
+    import gc
+
+    a, b = _pool034(), _pool034()
+    mine, theirs = a.get_new_blocks(3), b.get_new_blocks(2)
+    forwarded: list = []
+    free_b = b.free_blocks
+    b.free_blocks = lambda blocks, evict_first=False: (  # type: ignore[method-assign]
+        forwarded.append(([x.block_id for x in blocks], evict_first)), free_b(blocks, evict_first))
+    a.free_blocks(mine + theirs, evict_first=True)
+    assert forwarded == [([x.block_id for x in theirs], True)]
+    assert a.kv_block_manager.num_allocated == 1 and b.kv_block_manager.num_allocated == 1
+    c = _pool034()
+    orphans = c.get_new_blocks(2)
+    del c, b
+    gc.collect()
+    a.free_blocks(orphans)  # their pool is gone: nothing to do, nothing raised
+    assert a.kv_block_manager.num_allocated == 1
+
+
+def test_034_evict_first_puts_their_pages_first_in_line():
+    pool = _pool034(max_cached=None)
+    queue = pool.free_block_queue
+    pool.get_new_blocks(31)  # page 0 (with the null block)
+    older = pool.get_new_blocks(32)  # page 1
+    offloaded = pool.get_new_blocks(32)  # page 2
+    pool.cache_full_blocks(_request(32, 1), older, 0, 32, 16, 0)
+    pool.cache_full_blocks(_request(32, 2), offloaded, 0, 32, 16, 0)
+    pool.free_blocks(older)
+    pool.free_blocks(offloaded, evict_first=True)  # another tier holds them: evict them first
+    assert list(queue.touched) == [2, 1] and queue.per_page == {1: 32, 2: 32}
+    assert queue.get_all_free_blocks()[0] is offloaded[0]  # vLLM's queue order too
+    assert pool._evict(1) == 32  # page 2 goes whole, though page 1 was freed earlier
+    assert pool.kv_block_manager.page_occupancy(2) == 0 and queue.per_page == {1: 32}
+    assert pool.get_cached_block(_request(32, 1).block_hashes[0], [0])  # still a hit
