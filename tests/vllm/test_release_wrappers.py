@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import torch  # noqa: E402
 from conftest import env  # noqa: E402
 
 BLOCK = 64 << 10
@@ -58,6 +59,109 @@ def test_v2_init_kv_cache_hands_vllm_every_attention_group(caplog):
     # Nothing was allocated through kvcached here: vanilla, and the line names the backends.
     [line] = [r.getMessage() for r in caplog.records if "cannot page" in r.getMessage()]
     assert "FLASH_ATTN,TRITON_ATTN" in line
+
+
+# ------------------------------------------------------------------ vLLM 0.34
+
+
+def _allocate_kv_cache_buffer(raw_size, device):
+    """vLLM 0.34's ``vllm.v1.worker.utils._allocate_kv_cache_buffer`` (off ROCm)."""
+    return torch.zeros(raw_size, dtype=torch.int8, device=device)
+
+
+def _init_kv_cache_034(seen: list, calls: list):
+    """vLLM 0.34's ``attn_utils.init_kv_cache``: ``allocate_kv_cache``'s buffer comes from
+    the ``allocate`` hook (vLLM's extensible KV cache) or ``_allocate_kv_cache_buffer``."""
+    from kvcached_vllm.patches import _wrap_allocation
+
+    buffer = _wrap_allocation(_allocate_kv_cache_buffer)  # the elastic-kv-cache-buffer patch
+
+    def init_kv_cache(forward_context, kv_cache_config, device, kernel_block_sizes, vllm_config,
+                      kv_cache_allocation_context=None, *, block_tables=None, attn_groups=(),
+                      allocate=None):
+        seen.append([g.backend.get_name() for g in attn_groups])
+        t = kv_cache_config.kv_cache_tensors[0]
+        buf = allocate(t.size) if allocate is not None else buffer(t.size, device)
+        calls.append("hook" if allocate is not None else "buffer")
+        n = kv_cache_config.num_blocks
+        return {name: buf[i * t.layer_stride:(i + 1) * t.layer_stride].view(n, -1)
+                for i, name in enumerate(t.layers)}
+
+    return init_kv_cache
+
+
+def test_034_init_kv_cache_pages_the_buffer_helpers_allocation():
+    import uuid
+
+    from kvcached_vllm import worker as w
+    from kvcached_vllm.patches import wrap_init_kv_cache_hooked
+
+    seen: list = []
+    calls: list = []
+    wrapped = wrap_init_kv_cache_hooked(_init_kv_cache_034(seen, calls))
+    before = len(w.backings())
+    with env(KVCACHED_IPC_NAME=f"v34-{uuid.uuid4().hex[:8]}", KVCACHED_STRICT="1"):
+        config = SimpleNamespace(instance_id="v34", parallel_config=SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0))
+        views = wrapped({}, _config(), "cpu", [16], config,
+                        attn_groups=(g for g in _groups("CPU_ATTN")))
+    backing = w.backings()[-1]
+    try:
+        assert len(w.backings()) == before + 1 and calls == ["buffer"] and seen == [["CPU_ATTN"]]
+        assert backing.mapped_bytes() == 0 and set(views) == {"l0", "l1"}
+        assert views["l0"].data_ptr() == backing.buffers[0][1].data_ptr()
+    finally:
+        w._BACKINGS.remove(backing)
+        backing.release()
+
+
+def test_034_extensible_kv_cache_is_refused_in_one_line(caplog):
+    from kvcached_core.errors import KVCachedConfigError
+    from kvcached_vllm import worker as w
+    from kvcached_vllm.patches import wrap_init_kv_cache_hooked
+
+    seen: list = []
+    calls: list = []
+    wrapped = wrap_init_kv_cache_hooked(_init_kv_cache_034(seen, calls))
+    hook = lambda size: torch.zeros(size, dtype=torch.int8)  # noqa: E731
+    before = len(w.backings())
+    with env(KVCACHED_STRICT=None), caplog.at_level("WARNING", logger="kvcached.vllm"):
+        views = wrapped({}, _config(), "cpu", [16], SimpleNamespace(),
+                        attn_groups=(g for g in _groups("FLASH_ATTN")), allocate=hook)
+    assert calls == ["hook"] and seen == [["FLASH_ATTN"]] and set(views) == {"l0", "l1"}
+    assert len(w.backings()) == before
+    [line] = [r.getMessage() for r in caplog.records if "cannot page" in r.getMessage()]
+    assert "extensible KV cache" in line and "FLASH_ATTN" in line
+    with env(KVCACHED_STRICT="1"), pytest.raises(KVCachedConfigError, match="KVCACHED_STRICT=1"):
+        wrapped({}, _config(), "cpu", [16], SimpleNamespace(), allocate=hook)
+
+
+def test_034_extensible_kv_cache_steps_aside_unless_vllm_or_a_connector_needs_it():
+    from kvcached_vllm.patches import (EXTENSIBLE_OFF_REASON,
+                                       wrap_extensible_kv_cache_unsupported_reason)
+
+    answers = iter([None, "no VMM on this device", None])
+
+    def extensible_kv_cache_unsupported_reason(self):
+        return next(answers)
+
+    wrapped = wrap_extensible_kv_cache_unsupported_reason(extensible_kv_cache_unsupported_reason)
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=None))
+    assert wrapped(worker) == EXTENSIBLE_OFF_REASON
+    assert wrapped(worker) == "no VMM on this device"  # vLLM's own reason wins
+
+    class Access:  # vLLM 0.34's KVTransferConfig.kv_cache_access(): a connector importing fds
+        def kv_cache_access(self):
+            from vllm.config.kv_transfer import KVCacheAccess
+
+            return KVCacheAccess.EXPORTS_FD
+
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess  # noqa: F401
+    except ImportError:
+        return  # vLLM < 0.34 has no such connector
+    worker.vllm_config.kv_transfer_config = Access()
+    assert wrapped(worker) is None
 
 
 # ------------------------------------------------------------------ ElasticBlockPool034
