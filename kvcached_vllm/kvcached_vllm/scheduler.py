@@ -240,8 +240,11 @@ def scheduler_context(vllm_config: Any, kv_cache_config: Any) -> Iterator[_Pendi
         _local.pending = prev
 
 
-def make_block_pool(original: type) -> Any:
-    """The ``BlockPool`` the KV cache coordinator instantiates: elastic inside a scheduler."""
+def make_block_pool(original: type, pool_class: type | None = None) -> Any:
+    """The ``BlockPool`` the KV cache coordinator instantiates: elastic inside a scheduler.
+
+    ``pool_class``: the elastic pool's class (default :class:`ElasticBlockPool`).
+    """
 
     def block_pool(*args: Any, **kwargs: Any) -> Any:
         pending = getattr(_local, "pending", None)
@@ -254,8 +257,8 @@ def make_block_pool(original: type) -> Any:
         pending.runtime = rt
         from kvcached_vllm.pool import ElasticBlockPool
 
-        block_pool = ElasticBlockPool(*args, block_manager=rt.pool.blocks,
-                                      max_cached_blocks=rt.max_cached_blocks, **kwargs)
+        block_pool = (pool_class or ElasticBlockPool)(
+            *args, block_manager=rt.pool.blocks, max_cached_blocks=rt.max_cached_blocks, **kwargs)
         rt.attach_pool(block_pool)
         return block_pool
 
