@@ -213,19 +213,31 @@ class ElasticBlockPool(BlockPool):
                     cached.append(block)
                 else:
                     release.append(block.block_id)
+        self._put_back(release, cached)
+        if others:
+            for pool, blocks in others.items():
+                pool.free_blocks(blocks)
+
+    def _put_back(self, release: list[int], cached: list[Any], *,
+                  evict_first: bool = False) -> None:
+        """Blocks whose last reference went: the uncached ones back to kvcached, the cached
+        ones into the free queue (at its front with ``evict_first``: first to be evicted),
+        which is then held to ``max_cached_blocks``."""
         if release:
             if self._reuse_watchers:
                 self._notify_reuse([self.blocks[i] for i in release])
             self._kv_free(release)
         if cached:
             queue = self.free_block_queue
-            queue.append_n(cached)
+            if evict_first:
+                queue.prepend_n(cached)
+                first = dict.fromkeys(queue._page_of(b.block_id) for b in cached)
+                queue.touched = {**first, **{p: None for p in queue.touched if p not in first}}
+            else:
+                queue.append_n(cached)
             cap = self.max_cached_blocks
             if cap is not None and queue.num_free_blocks > cap:
                 self._evict(queue.num_free_blocks - cap)
-        if others:
-            for pool, blocks in others.items():
-                pool.free_blocks(blocks)
 
     def get_num_free_blocks(self) -> int:
         """Blocks ``get_new_blocks`` can hand out now: kvcached's room plus the evictable."""

@@ -56,21 +56,7 @@ class ElasticBlockPool034(ElasticBlockPool):
                     cached.append(block)
                 else:
                     release.append(block.block_id)
-        if release:
-            if self._reuse_watchers:
-                self._notify_reuse([self.blocks[i] for i in release])
-            self._kv_free(release)
-        if cached:
-            queue = self.free_block_queue
-            if evict_first:
-                queue.prepend_n(cached)
-                first = dict.fromkeys(queue._page_of(b.block_id) for b in cached)
-                queue.touched = {**first, **{p: None for p in queue.touched if p not in first}}
-            else:
-                queue.append_n(cached)
-            cap = self.max_cached_blocks
-            if cap is not None and queue.num_free_blocks > cap:
-                self._evict(queue.num_free_blocks - cap)
+        self._put_back(release, cached, evict_first=evict_first)
         if others:
             for pool, blocks in others.items():
                 pool.free_blocks(blocks, evict_first=evict_first)
