@@ -4,6 +4,9 @@
 #   .sglang/<version>/   sglang==<version> (--no-deps) plus the few version-pinned packages
 #                        its memory-pool and scheduler modules import (transformers, openai, ...)
 #   .sglang/_common/     the light packages every release imports (pydantic, aiohttp, zmq, ...)
+#   .sglang/_http/       what importing the HTTP server (sglang.srt.entrypoints.http_server)
+#                        needs beyond that (jsonschema, python-multipart, soundfile, ...):
+#                        tests/sglang/test_metrics.py builds SGLang's /metrics route from it
 #   .sglang/wheels/      the wheel cache (pip download): CI caches this folder
 # Nothing here pulls sgl-kernel, flashinfer or a CUDA torch: the tests run on the main venv's
 # CPU torch, with the shims in tests/sglang/shims for the modules that cannot exist on CPU.
@@ -43,6 +46,9 @@ COMMON="tqdm pybase64 requests urllib3 idna certifi charset-normalizer ipython t
   partial-json-parser dill sentencepiece einops loguru gguf uvloop msgspec uvicorn h11 click
   setproctitle PyYAML regex safetensors typer shellingham rich markdown-it-py mdurl hf-xet httpx
   httpcore jiter interegular cloudpickle compressed-tensors==0.12.2 pyzmq setuptools-scm numpy"
+# Only the HTTP server's module imports these (tests/sglang/test_metrics.py).
+HTTP="jsonschema jsonschema-specifications referencing rpds-py python-multipart soundfile cffi
+  pycparser"
 
 pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
 fetch() {  # fetch SPEC... : into the wheel cache (no-op offline)
@@ -60,6 +66,12 @@ if [ ! -f "$ROOT/_common/.done" ]; then
   # shellcheck disable=SC2086
   install_into "$ROOT/_common" $COMMON
   touch "$ROOT/_common/.done"
+fi
+if [ ! -f "$ROOT/_http/.done" ]; then
+  fetch $HTTP
+  rm -rf "$ROOT/_http"
+  install_into "$ROOT/_http" $HTTP
+  touch "$ROOT/_http/.done"
 fi
 
 versions=("$@")

@@ -29,6 +29,11 @@ virtual memory profile     ``model_runner:ModelRunner.profile_max_num_token`` 0.
                            ``ModelRunner._profile_available_bytes``           0.5.11 - 0.5.15
                            ``kv_cache_configurator:KVCacheConfigurator.``
                            ``_profile_available_bytes``                       0.5.16 - 0.5.23
+/metrics shows kvcached    ``utils:add_prometheus_middleware``                0.4.9 - 0.5.2
+(optional)                 ``utils.common:add_prometheus_middleware`` and
+                           its ``utils`` re-export                            0.5.3 - 0.5.10
+                           ``entrypoints.http_server:add_prometheus_``
+                           ``middleware`` (deferred to that import)           0.5.11 - 0.5.23
 =========================  =================================================  ==================
 
 The leak-check patches run SGLang's own check inside kvcached's leak-check view
@@ -40,6 +45,17 @@ memory returns after a burst. Before wrapping, each patch verifies that the meth
 contains what the gate expects (for example that ``check_memory`` still holds the
 request-pool check); a surprise fails the patch, which rolls the whole set back
 with the class and release named.
+
+The ``/metrics`` patches are the exception to the class-attribute rule: SGLang's
+HTTP server calls the module-level function ``add_prometheus_middleware``, which
+``http_server`` copies with ``from sglang.srt.utils import``. The binding
+wrapped is the one in place when ``http_server`` looks it up: up to 0.5.10 the
+``.pth`` hook bootstraps while ``http_server`` imports ``engine`` (so before its
+copy) and kvcached wraps the source of that copy; from 0.5.11 ``load_plugins()``
+may run before or after that import and kvcached wraps ``http_server``'s own
+binding, deferred until the module is imported (schedulers never import it).
+They are optional: a surprise skips them (logged) and leaves the elastic pool
+in place. See :mod:`kvcached_sglang.metrics`.
 """
 
 from __future__ import annotations
@@ -73,6 +89,19 @@ LEAK_CHECK_LAYOUTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 _BUSY_CHECKS: tuple[tuple[str, str], ...] = (
     (">=0.5.6.dev0,<0.5.13.dev0", f"{_MIXIN}:SchedulerRuntimeCheckerMixin.self_check_during_busy"),
     (">=0.5.13.dev0,<0.5.24.dev0", f"{_CHECKER}:SchedulerInvariantChecker.self_check_during_busy"),
+)
+
+#: Where SGLang's HTTP server finds ``add_prometheus_middleware`` when it mounts
+#: ``/metrics``: (name, releases, target, also_rebind, deferred). See the module
+#: docstring for why the binding differs by release line.
+_METRICS: tuple[tuple[str, str, str, tuple[str, ...], bool], ...] = (
+    ("kvcached-metrics", ">=0.4.9.dev0,<0.5.3.dev0",
+     "sglang.srt.utils:add_prometheus_middleware", (), False),
+    ("kvcached-metrics-common", ">=0.5.3.dev0,<0.5.11.dev0",
+     "sglang.srt.utils.common:add_prometheus_middleware",
+     ("sglang.srt.utils:add_prometheus_middleware",), False),
+    ("kvcached-metrics-http", ">=0.5.11.dev0,<0.5.24.dev0",
+     "sglang.srt.entrypoints.http_server:add_prometheus_middleware", (), True),
 )
 
 #: Where SGLang sizes the KV pool from free device memory.
@@ -383,4 +412,15 @@ def build_patches(version: Any) -> list[Patch]:
         patches.append(Patch(
             target, versions=spec, wrapper=_busy_wrapper, name=f"busy-check-{i}",
             required=False, description="opt-in busy leak check sees logical KV counts"))
+
+    # /metrics (--enable-metrics): SGLang's registry also holds kvcached's collector.
+    from kvcached_sglang.metrics import make_add_prometheus_middleware
+
+    for name, spec, target, rebind, deferred in _METRICS:
+        patches.append(Patch(
+            target, versions=spec, name=name, also_rebind=rebind, deferred=deferred,
+            required=False,
+            wrapper=lambda original: make_add_prometheus_middleware(original, version),
+            description="SGLang's /metrics also shows kvcached's pools (gauges, map/unmap "
+                        "latency histograms)"))
     return patches
