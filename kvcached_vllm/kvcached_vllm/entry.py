@@ -29,14 +29,17 @@ def _log_through_vllm() -> None:
     vLLM configures its own ``vllm`` logger only; without a handler kvcached's
     INFO lines (the patch set applied, the elastic pool's size) would be lost.
     Records still propagate, so a handler the application set on the root
-    logger sees them too.
+    logger sees them too, once: vLLM's handlers that the root logger also has
+    (vLLM 0.28 under a test runner's capture, say) are not added again.
     """
     import logging
 
     ours, theirs = logging.getLogger("kvcached"), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:
         return
+    root = logging.getLogger().handlers
     for handler in theirs.handlers:
-        ours.addHandler(handler)
+        if handler not in root:
+            ours.addHandler(handler)
     if ours.level == logging.NOTSET:
         ours.setLevel(theirs.getEffectiveLevel())

@@ -423,3 +423,36 @@ def test_only_a_scheduler_that_runs_ahead_gets_a_step_fence(ahead):
         rt.close()
         w._BACKINGS.remove(backing)
         backing.release()
+
+
+def test_kvcached_logs_through_vllms_handlers_once():
+    """kvcached's records reach vLLM's handlers, and a handler that vLLM shares with the
+    root logger (where kvcached's records propagate anyway) sees each record once."""
+    import logging
+
+    from kvcached_vllm.entry import _log_through_vllm
+
+    class Count(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def emit(self, record):
+            self.seen.append(record.getMessage())
+
+    shared, own = Count(), Count()
+    root, vllm_log, ours = (logging.getLogger(), logging.getLogger("vllm"),
+                            logging.getLogger("kvcached"))
+    saved = (list(vllm_log.handlers), list(ours.handlers), ours.level)
+    vllm_log.handlers[:] = [shared, own]
+    ours.handlers[:] = []
+    root.addHandler(shared)
+    try:
+        _log_through_vllm()
+        assert ours.handlers == [own]
+        logging.getLogger("kvcached.vllm").warning("once")
+        assert shared.seen.count("once") == 1 and own.seen.count("once") == 1
+    finally:
+        root.removeHandler(shared)
+        vllm_log.handlers[:], ours.handlers[:] = saved[0], saved[1]
+        ours.setLevel(saved[2])
