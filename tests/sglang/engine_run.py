@@ -82,7 +82,10 @@ def _installation() -> dict:
         import kvcached_sglang
         from kvcached_core.plugins import bootstrap_results
 
+        import kvcached_core
+
         out["kvcached_sglang"] = kvcached_sglang.__file__
+        out["kvcached_core"] = kvcached_core.__file__
         res = bootstrap_results().get("sglang")
         out["bootstrap"] = None if res is None else res.status
     except ImportError as exc:

@@ -17,7 +17,9 @@ checks install it as a user does and serve a tiny Llama end to end on the CPU:
 
 kvcached-core comes from the checkout rather than from its wheel: what is under test is the
 adapter's auto-load; building kvcached-core's wheel compiles the native extension (minutes on
-a small machine), and ``scripts/build_wheels.sh`` covers that wheel.
+a small machine), and ``tests/packaging`` covers that wheel. With
+``KVCACHED_TEST_WHEELHOUSE=DIR`` (wheels of ``scripts/build_wheels.sh``, as in
+``tests/packaging``) both wheels are pip-installed from there instead.
 
 Nothing SGLang-specific is on ``PYTHONPATH``. The probe (``engine_probe.py``) cannot ride
 SGLang's plugin group here, so it is installed as a kvcached plugin (a ``kvcached.engines``
@@ -87,15 +89,20 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     runner_site = sysconfig.get_paths()["purelib"]  # this interpreter's: CPU torch, pluggy
     (site / "_sglang_release.pth").write_text("\n".join(map(str, [
         SHIMS, SGLANG_DIR / VERSION, SGLANG_DIR / "_common", runner_site, ROOT])) + "\n")
-    # The adapter's wheel, built from a copy of its source (nothing lands in the checkout).
-    src = top / "src" / "kvcached_sglang"
-    shutil.copytree(ADAPTER_SRC, src, ignore=shutil.ignore_patterns(
-        "__pycache__", "build", "*.egg-info"))
-    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", str(src),
-         "-w", str(top / "wheels"))
-    (wheel,) = (top / "wheels").glob("kvcached_sglang-*.whl")
+    house = os.environ.get("KVCACHED_TEST_WHEELHOUSE")
+    if house:  # the released artifacts: both wheels
+        tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+        wheels = [sorted(Path(house).glob(pattern))[-1] for pattern in (
+            f"kvcached_core-*-{tag}-{tag}-manylinux*_x86_64.whl", "kvcached_sglang-*.whl")]
+    else:  # the adapter's wheel, built from a copy of its source (nothing lands in the checkout)
+        src = top / "src" / "kvcached_sglang"
+        shutil.copytree(ADAPTER_SRC, src, ignore=shutil.ignore_patterns(
+            "__pycache__", "build", "*.egg-info"))
+        _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", str(src),
+             "-w", str(top / "wheels"))
+        wheels = list((top / "wheels").glob("kvcached_sglang-*.whl"))
     _pip("--python", str(env_dir / "bin" / "python"), "install", "--no-deps", "--no-index",
-         str(wheel))
+         *map(str, wheels))
     # The test-only probe, as an installed kvcached plugin.
     info = site / "kvcached_sglang_e2e_probe-0.0.0.dist-info"
     info.mkdir()
@@ -181,6 +188,8 @@ def test_the_autoload_brings_kvcached_into_the_scheduler(engine_run, venv):
     inst = kv["installation"]
     assert inst["prefix"] == str(venv["dir"]) != inst["base_prefix"], inst  # a real venv
     assert inst["kvcached_sglang"].startswith(str(venv["site"])), inst  # the installed adapter
+    core_home = venv["site"] if os.environ.get("KVCACHED_TEST_WHEELHOUSE") else ROOT
+    assert inst["kvcached_core"].startswith(str(core_home)), inst
     assert inst["bootstrap"] == "applied", inst  # the launcher imported the scheduler module
     assert plain["installation"]["bootstrap"] is None, plain["installation"]
     # The scheduler process built kvcached's pool (the probe, a kvcached plugin, saw it there).
