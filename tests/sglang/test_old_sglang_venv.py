@@ -235,7 +235,9 @@ def test_kv_memory_grows_under_burst_and_falls_back(engine_run):
     assert peak_rss - flushed["rss"] >= unmapped // 2, (peak_rss, flushed["rss"], unmapped)
 
 
-def test_an_idle_engine_gives_memory_back_to_another_pool(engine_run):
+def test_an_idle_engine_gives_memory_back_to_another_pool_and_to_a_lower_limit(engine_run):
+    """Another pool's miss against a full device budget, then ``kvctl limit`` of one page
+    id: each time the idle 0.5.9 scheduler evicts cached pages and unmaps them."""
     g = engine_run(True)["giveback"]
     page = g["engine_before"]["page_bytes"]
     assert g["granted"], g
@@ -247,6 +249,12 @@ def test_an_idle_engine_gives_memory_back_to_another_pool(engine_run):
     print(f"SGLang {VERSION} (venv, .pth): giveback to another pool in {g['waited_ms']} ms, "
           f"engine gave {engine['given'] >> 20} MiB, cached tokens {before['used_tokens']} -> "
           f"{after['used_tokens']}")
+    lim = engine_run(True)["limit"]  # kvctl limit: one page id, on the idle engine
+    assert lim["engine_before"]["mapped"] > 1, lim  # it held cached pages
+    assert lim["under_limit_ms"] is not None and lim["under_limit_ms"] < 1000, lim
+    assert lim["engine_limited"]["mapped"] <= 1, lim
+    print(f"SGLang {VERSION} (venv, .pth): limit of one page id reached in "
+          f"{lim['under_limit_ms']} ms ({lim['engine_before']['mapped']} page ids before)")
 
 
 def test_idle_leak_check_passes_with_kvcached(engine_run):
