@@ -18,6 +18,13 @@ nothing SGLang computes; it only observes, through class attributes:
   slot is dropped instead of returned (a deliberate request-slot leak, reported in
   ``<dir>/leaked.json``).
 
+SGLang releases before 0.5.11 call no ``sglang.srt.plugins`` entry point. There the probe
+is a kvcached plugin instead (``kvcached.engines`` entry point, ``test_old_sglang_venv.py``):
+:func:`kvcached_extra_patches` returns the same observers as patch records, which kvcached
+applies with its own SGLang patch set wherever its auto-load bootstraps it (the scheduler
+process included). The vanilla run of such a release has no probe; ``engine_run.py`` then
+finds the scheduler by its process title.
+
 Inert unless ``KVCACHED_E2E_DIR`` is set.
 """
 
@@ -74,17 +81,7 @@ def _writer(out: Path) -> None:
         time.sleep(0.05)
 
 
-def _patch_elastic() -> None:
-    try:
-        from kvcached_sglang import pool as kpool
-        from kvcached_sglang.leakcheck import in_leak_check_view
-    except ImportError:
-        return
-    cls = kpool.ElasticKV
-    if getattr(cls, "__e2e_probe__", False):
-        return
-    init, available = cls.__init__, cls.available_tokens
-
+def _wrap_elastic_init(init):
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         _POOLS.append(weakref.ref(self))
@@ -92,6 +89,12 @@ def _patch_elastic() -> None:
         if out is not None and len(_POOLS) == 1:
             threading.Thread(target=_writer, args=(out,), daemon=True,
                              name="kvcached-e2e-probe").start()
+
+    return __init__
+
+
+def _wrap_available_tokens(available):
+    from kvcached_sglang.leakcheck import in_leak_check_view
 
     def available_tokens(self):
         n = available(self)
@@ -104,23 +107,21 @@ def _patch_elastic() -> None:
             _STATE["min_available"] = n if low is None else min(low, n)
         return n
 
-    cls.__init__, cls.available_tokens = __init__, available_tokens
-    cls.__e2e_probe__ = True
+    return available_tokens
 
 
-def _patch_req_pool() -> None:
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    if getattr(ReqToTokenPool, "__e2e_probe__", False):
-        return
-    init, free = ReqToTokenPool.__init__, ReqToTokenPool.free
-    leaked: list[int] = []
-
+def _wrap_req_init(init):
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         out = _dir()
         if out is not None:
             (out / "scheduler.pid").write_text(str(os.getpid()))
+
+    return __init__
+
+
+def _wrap_req_free(free):
+    leaked: list[int] = []
 
     def free_(self, *args, **kwargs):
         before = len(self.free_slots)
@@ -133,7 +134,29 @@ def _patch_req_pool() -> None:
                                          "free_slots": len(self.free_slots)})
         return result
 
-    ReqToTokenPool.__init__, ReqToTokenPool.free = __init__, free_
+    return free_
+
+
+def _patch_elastic() -> None:
+    try:
+        from kvcached_sglang import pool as kpool
+    except ImportError:
+        return
+    cls = kpool.ElasticKV
+    if getattr(cls, "__e2e_probe__", False):
+        return
+    cls.__init__ = _wrap_elastic_init(cls.__init__)
+    cls.available_tokens = _wrap_available_tokens(cls.available_tokens)
+    cls.__e2e_probe__ = True
+
+
+def _patch_req_pool() -> None:
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    if getattr(ReqToTokenPool, "__e2e_probe__", False):
+        return
+    ReqToTokenPool.__init__ = _wrap_req_init(ReqToTokenPool.__init__)
+    ReqToTokenPool.free = _wrap_req_free(ReqToTokenPool.free)
     ReqToTokenPool.__e2e_probe__ = True
 
 
@@ -143,3 +166,27 @@ def register() -> None:
         return
     _patch_elastic()
     _patch_req_pool()
+
+
+try:
+    from kvcached_core import hookimpl
+except ImportError:  # pragma: no cover - kvcached-core is always there in these tests
+    hookimpl = lambda f: f  # noqa: E731
+
+
+@hookimpl
+def kvcached_extra_patches(engine, version):
+    """``kvcached.engines`` plugin hook (test only): the observers as kvcached patches."""
+    if engine != "sglang" or _dir() is None:
+        return None
+    from kvcached_core.plugins.patching import Patch
+
+    pool, sglang_pool = "kvcached_sglang.pool:ElasticKV", \
+        "sglang.srt.mem_cache.memory_pool:ReqToTokenPool"
+    return [
+        Patch(f"{pool}.__init__", wrapper=_wrap_elastic_init, name="e2e-probe-pool-init"),
+        Patch(f"{pool}.available_tokens", wrapper=_wrap_available_tokens,
+              name="e2e-probe-available-tokens"),
+        Patch(f"{sglang_pool}.__init__", wrapper=_wrap_req_init, name="e2e-probe-req-init"),
+        Patch(f"{sglang_pool}.free", wrapper=_wrap_req_free, name="e2e-probe-req-free"),
+    ]

@@ -58,6 +58,41 @@ def _ids(outputs) -> list[list[int]]:
     return [list(o["output_ids"]) for o in outputs]
 
 
+def _scheduler_pid(work: Path) -> int:
+    """The scheduler process: from the probe, else (no probe loaded) by SGLang's title."""
+    import psutil
+
+    try:
+        return int((work / "scheduler.pid").read_text())
+    except OSError:
+        pass
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(child.cmdline()).startswith("sglang::scheduler"):
+                return child.pid
+        except psutil.Error:
+            continue
+    raise RuntimeError("no scheduler process found (no probe, no sglang::scheduler child)")
+
+
+def _installation() -> dict:
+    """Where kvcached's adapter came from in this (launching) process and what it did."""
+    out: dict = {"prefix": sys.prefix, "base_prefix": sys.base_prefix}
+    try:
+        import kvcached_sglang
+        from kvcached_core.plugins import bootstrap_results
+
+        import kvcached_core
+
+        out["kvcached_sglang"] = kvcached_sglang.__file__
+        out["kvcached_core"] = kvcached_core.__file__
+        res = bootstrap_results().get("sglang")
+        out["bootstrap"] = None if res is None else res.status
+    except ImportError as exc:
+        out["error"] = str(exc)
+    return out
+
+
 class Sampler:
     """Reads the probe's pool counters and the scheduler's RSS."""
 
@@ -65,7 +100,7 @@ class Sampler:
         import psutil
 
         self.work = work
-        self.proc = psutil.Process(int((work / "scheduler.pid").read_text()))
+        self.proc = psutil.Process(_scheduler_pid(work))
 
     def read(self) -> dict:
         snap: dict = {"t": time.time(), "rss": self.proc.memory_info().rss}
@@ -107,6 +142,7 @@ def serve(model: str, work_dir: str, leak: bool) -> None:
         log_level="warning",
     )
     report["startup_s"] = round(time.time() - t0, 1)
+    report["installation"] = _installation()
     greedy = lambda n: {"temperature": 0.0, "max_new_tokens": n}  # noqa: E731
     sampler = Sampler(work)
     report["start"] = sampler.settle(0.5)

@@ -1,7 +1,8 @@
 """The import hook that loads kvcached into SGLang releases without plugin entry points (< 0.5.11).
 
 Uses a stand-in ``sglang`` package (no real SGLang needed) and the real ``.pth`` line, processed
-by ``site.addsitedir`` as at interpreter start-up.
+by ``site.addsitedir`` as at interpreter start-up. ``test_old_sglang_venv.py`` serves a real
+SGLang 0.5.9 engine with the adapter's wheel pip-installed into a virtual environment.
 """
 
 from __future__ import annotations
