@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -78,6 +79,23 @@ def release_env(version: str | None, dist_dir: Path, **extra: str) -> dict[str, 
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra)
     return env
+
+
+def run_engine_process(command: list[str], env: dict[str, str], cwd: Path,
+                       timeout: float) -> subprocess.CompletedProcess:
+    """Run an engine runner in a session of its own; whatever it started (SGLang's scheduler
+    and detokenizer share the session's process group) is killed when it returns."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=str(cwd), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_probe(version: str | None, dist_dir: Path, *args: str, timeout: float = 600,

@@ -18,8 +18,6 @@ strict idle memory checks.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.conftest import SGLANG_DIR, release_env, skip_unless_installed, write_dist_record
+from tests.sglang.conftest import (SGLANG_DIR, release_env, run_engine_process,
+                                   skip_unless_installed, write_dist_record)
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "engine_run.py"
@@ -65,20 +64,8 @@ def _probe_record(dest: Path) -> Path:
 
 
 def _run(version: str, dist: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(
-        [sys.executable, str(RUNNER), *args], env=release_env(version, dist, **env),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE.parents[1]),
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        try:  # the engine's scheduler and detokenizer share the session's process group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_engine_process([sys.executable, str(RUNNER), *args],
+                              release_env(version, dist, **env), HERE.parents[1], TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -42,7 +41,8 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.conftest import ADAPTER_SRC, ROOT, SGLANG_DIR, SHIMS, skip_unless_installed
+from tests.sglang.conftest import (ADAPTER_SRC, ROOT, SGLANG_DIR, SHIMS, run_engine_process,
+                                   skip_unless_installed)
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "engine_run.py"
@@ -117,20 +117,8 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _run(env_dir: Path, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(
-        [str(env_dir / "bin" / "python"), str(RUNNER), *args], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE),
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        try:  # the engine's scheduler and detokenizer share the session's process group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_engine_process([str(env_dir / "bin" / "python"), str(RUNNER), *args], env, HERE,
+                              TIMEOUT_S)
 
 
 _runs: dict[bool, dict[str, Any]] = {}
