@@ -29,6 +29,7 @@ __all__ = [
     "KVCachedConfigError",
     "shown",
     "env_bool",
+    "parse_bool",
     "env_int",
     "env_float",
     "env_list",
@@ -77,16 +78,23 @@ def env_bool(name: str, default: bool) -> bool:
         KVCachedConfigError: The value is none of the accepted spellings.
     """
     found = _read(name)
-    if found is None:
-        return default
-    label, value = found
-    lowered = value.lower()
+    return default if found is None else parse_bool(*found)
+
+
+def parse_bool(label: str, value: str) -> bool:
+    """``value`` of variable ``label`` as a boolean (1/0/true/false/yes/no/on/off).
+
+    Raises:
+        KVCachedConfigError: The value is none of the accepted spellings.
+    """
+    lowered = value.strip().lower()
     if lowered in _TRUE:
         return True
     if lowered in _FALSE:
         return False
     raise KVCachedConfigError(
-        f"{label}={shown(value, quote=True)} is not a boolean (use 1/0/true/false/yes/no/on/off)"
+        f"{label}={shown(value.strip(), quote=True)} is not a boolean "
+        "(use 1/0/true/false/yes/no/on/off)"
     )
 
 

@@ -47,19 +47,10 @@ from kvcached_core.errors import KVCachedConfigError
 
 __all__ = ["ALIASES", "REJECTED", "SAME_NAME", "Alias", "lookup", "check_environment"]
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-
 def _bool_text(name: str, value: str) -> str:
-    lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return "1"
-    if lowered in _FALSE:
-        return "0"
-    raise KVCachedConfigError(
-        f"{name}={value!r} is not a boolean (use 1/0/true/false/yes/no/on/off)"
-    )
+    from kvcached_core.env import parse_bool  # env reads settings through this module
+
+    return "1" if parse_bool(name, value) else "0"
 
 
 def _seconds_text(name: str, value: str) -> str:
