@@ -41,3 +41,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def shm_base(monkeypatch, tmp_path):
+    """A private (0700) directory as ``KVCACHED_SHM_DIR``: pool and budget records."""
+    path = tmp_path / "shm"
+    path.mkdir(mode=0o700)
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(path))
+    return path

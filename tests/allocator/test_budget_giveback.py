@@ -41,15 +41,6 @@ class FakeCache:
 
 
 @pytest.fixture
-def shm_base(monkeypatch, tmp_path):
-    """A private directory as ``KVCACHED_SHM_DIR`` (budget records, pool segments)."""
-    path = tmp_path / "shm"
-    path.mkdir(mode=0o700)
-    monkeypatch.setenv("KVCACHED_SHM_DIR", str(path))
-    return path
-
-
-@pytest.fixture
 def record(shm_base):
     rec = bud.BudgetRecord.open("host", shm_base)
     yield rec

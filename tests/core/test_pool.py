@@ -44,23 +44,15 @@ def settings(**kw):
                                 **kw))
 
 
-@pytest.fixture
-def shm_dir(monkeypatch, tmp_path):
-    path = tmp_path / "shm"
-    path.mkdir(mode=0o700)
-    monkeypatch.setenv("KVCACHED_SHM_DIR", str(path))
-    return path
-
-
-def slots(shm_dir):
-    rec = bud.BudgetRecord.open(bud.device_key("host", 0), shm_dir)
+def slots(shm_base):
+    rec = bud.BudgetRecord.open(bud.device_key("host", 0), shm_base)
     try:
         return {s.name: s.mapped for s in rec.read().slots}
     finally:
         rec.close()
 
 
-def test_a_published_pool_shows_in_kvctl_and_the_budget_and_close_removes_both(shm_dir):
+def test_a_published_pool_shows_in_kvctl_and_the_budget_and_close_removes_both(shm_base):
     pool = ElasticPool.local("cpu", layout(), block_bytes=BLOCK, namespace="ptest",
                              name="kv0", settings=settings())
     try:
@@ -69,7 +61,7 @@ def test_a_published_pool_shows_in_kvctl_and_the_budget_and_close_removes_both(s
         assert rec.pool == "kv0" and rec.capacity == layout().total_bytes
         ids = pool.blocks.alloc(5)  # 4 blocks per page: two page ids, the null block included
         assert ids is not None
-        assert slots(shm_dir) == {"ptest/kv0": 2 * BUNDLE}
+        assert slots(shm_base) == {"ptest/kv0": 2 * BUNDLE}
         # Republished by the allocator's background poll within tens of ms.
         assert wait_until(lambda: list_pools("ptest")[0].used == 2 * BUNDLE)
         rec = list_pools("ptest")[0]
@@ -77,25 +69,25 @@ def test_a_published_pool_shows_in_kvctl_and_the_budget_and_close_removes_both(s
         assert rec.map_latency.count == 2 and rec.map_bytes == 2 * BUNDLE  # the null page's too
         pool.blocks.free(ids)
         assert pool.pages.wait_idle(5)
-        assert slots(shm_dir) == {"ptest/kv0": BUNDLE}  # the null block's page stays
+        assert slots(shm_base) == {"ptest/kv0": BUNDLE}  # the null block's page stays
     finally:
         pool.close()
     assert list_pools("ptest") == []
-    assert slots(shm_dir) == {}
+    assert slots(shm_base) == {}
     pool.close()  # idempotent
 
 
-def test_an_unpublished_pool_touches_no_shared_memory(shm_dir):
+def test_an_unpublished_pool_touches_no_shared_memory(shm_base):
     pool = ElasticPool.local("cpu", layout(), block_bytes=BLOCK, settings=settings())
     try:
         assert pool.segment is None and pool.budget is None
         assert pool.blocks.alloc(3) is not None
-        assert list(shm_dir.iterdir()) == []
+        assert list(shm_base.iterdir()) == []
     finally:
         pool.close()
 
 
-def test_the_budget_setting_caps_pools_and_the_evictor_gives_back(shm_dir, monkeypatch):
+def test_the_budget_setting_caps_pools_and_the_evictor_gives_back(shm_base, monkeypatch):
     monkeypatch.setenv("KVCACHED_DEVICE_BUDGET", str(4 * BUNDLE))
     a = ElasticPool.local("cpu", layout(), block_bytes=BLOCK, namespace="pa", name="kv0",
                           settings=settings())
@@ -112,21 +104,21 @@ def test_the_budget_setting_caps_pools_and_the_evictor_gives_back(shm_dir, monke
     try:
         a.set_evictor(evict)
         cached.extend(a.blocks.alloc(11))  # A's three page ids and B's null page: the budget
-        assert slots(shm_dir) == {"pa/kv0": 3 * BUNDLE, "pb/kv0": BUNDLE}
+        assert slots(shm_base) == {"pa/kv0": 3 * BUNDLE, "pb/kv0": BUNDLE}
         got = None
         for _ in range(50):  # B's first tries miss and ask; A's thread gives back
             got = b.blocks.alloc(4)
             if got is not None:
                 break
         assert got is not None
-        assert sum(slots(shm_dir).values()) <= 4 * BUNDLE
+        assert sum(slots(shm_base).values()) <= 4 * BUNDLE
         assert [g["kind"] for g in a.pages.givebacks] == ["budget"]
     finally:
         a.close()
         b.close()
 
 
-def test_a_bad_budget_setting_names_the_variable_and_builds_nothing(shm_dir, monkeypatch):
+def test_a_bad_budget_setting_names_the_variable_and_builds_nothing(shm_base, monkeypatch):
     monkeypatch.setenv("KVCACHED_DEVICE_BUDGET", "12XB")
     with pytest.raises(KVCachedConfigError, match="KVCACHED_DEVICE_BUDGET"):
         ElasticPool.local("cpu", layout(), block_bytes=BLOCK, namespace="pbad", name="kv0",
@@ -156,7 +148,7 @@ def test_an_unusable_shared_memory_directory_leaves_a_working_pool_or_refuses_in
                           settings=settings())
 
 
-def test_a_remote_pool_maps_in_its_worker_and_reads_the_device_from_it(shm_dir, tmp_path):
+def test_a_remote_pool_maps_in_its_worker_and_reads_the_device_from_it(shm_base, tmp_path):
     base = tmp_path / "ipc"
     base.mkdir(mode=0o700)
     mapper = open_mapper("cpu", PAGE)
@@ -174,18 +166,18 @@ def test_a_remote_pool_maps_in_its_worker_and_reads_the_device_from_it(shm_dir, 
         assert pool.device_total == host_memory_bytes()
         ids = pool.blocks.alloc(7)  # with the null block: page ids 0 and 1
         assert mapper.stats().mapped_pages == 2 * LAYERS  # in both regions, in the worker
-        assert slots(shm_dir) == {"premote/kv0": 2 * LAYERS * PAGE}
+        assert slots(shm_base) == {"premote/kv0": 2 * LAYERS * PAGE}
         pool.blocks.free(ids)
         assert pool.pages.wait_idle(5)
         assert mapper.stats().mapped_pages == LAYERS  # the null block's page
     finally:
         pool.close()
         listener.close()
-    assert slots(shm_dir) == {}
+    assert slots(shm_base) == {}
     assert isinstance(KVTensors.open("cpu", layout()).device_total(), int)
 
 
-def test_an_engine_that_evicts_on_its_own_thread_reports_what_it_gave_back(shm_dir, monkeypatch):
+def test_an_engine_that_evicts_on_its_own_thread_reports_what_it_gave_back(shm_base, monkeypatch):
     """SGLang's way: the ask only records how much is wanted; the engine's own thread evicts
     at its next idle moment, unmaps, and reports the pages as given back."""
     monkeypatch.setenv("KVCACHED_DEVICE_BUDGET", str(4 * BUNDLE))
@@ -204,7 +196,7 @@ def test_an_engine_that_evicts_on_its_own_thread_reports_what_it_gave_back(shm_d
         a.pages.trim()
         a.gave_back(mapped - a.pages.num_mapped, asked[0])
         assert b.blocks.alloc(4) is not None
-        rec = bud.BudgetRecord.open(bud.device_key("host", 0), shm_dir)
+        rec = bud.BudgetRecord.open(bud.device_key("host", 0), shm_base)
         try:
             (slot,) = [s for s in rec.read().slots if s.name == "pa/kv0"]
         finally:
@@ -212,7 +204,7 @@ def test_an_engine_that_evicts_on_its_own_thread_reports_what_it_gave_back(shm_d
         assert slot.given_bytes == 2 * BUNDLE and slot.givebacks == 1 and slot.last_giveback_ns > 0
         assert asked[0] > 0  # the evictor ran inside the answer to B's ask
         a.gave_back(1, 0)  # what a lowered limit made the engine evict is no giveback
-        rec = bud.BudgetRecord.open(bud.device_key("host", 0), shm_dir)
+        rec = bud.BudgetRecord.open(bud.device_key("host", 0), shm_base)
         try:
             (slot,) = [s for s in rec.read().slots if s.name == "pa/kv0"]
         finally:

@@ -34,15 +34,6 @@ def ipc_base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def shm_base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A fresh 0700 directory as ``KVCACHED_SHM_DIR``."""
-    path = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
-    monkeypatch.setenv("KVCACHED_SHM_DIR", str(path))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @dataclass
 class Workers:
     """Worker processes serving in one namespace."""
