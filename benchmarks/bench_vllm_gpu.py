@@ -427,10 +427,12 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
             for e in engines.values():
                 e.finish()
     if time.monotonic() < deadline - 60 and (not args.configs or "batch-invariant" in args.configs):
-        # Batch-invariant kernels: the same batch gives the same tokens in any engine.
+        # Batch-invariant kernels: the same batch gives the same tokens in any engine. A
+        # second vanilla engine (the control) tells a difference kvcached makes from one
+        # vLLM makes between two engines (seeded sampling differed once at position 0).
         engines = {}
         try:
-            for n in ("vanilla", "kvcached"):
+            for n in ("vanilla", "kvcached", "control"):
                 engines[n] = Engine(f"bi-{n}", models["tiny"], enabled=n == "kvcached",
                                     kv_bytes=TINY_KV, eager=True, v2=True, start=False,
                                     extra_env={"VLLM_BATCH_INVARIANT": "1",
@@ -439,7 +441,7 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
                 e.wait_ready()
             res = {n: workload(e) for n, e in engines.items()}
             out["v2-eager-batch-invariant"] = {
-                part: differing(res["vanilla"][part], res["kvcached"][part])
+                part: {n: differing(res["vanilla"][part], res[n][part]) for n in ("kvcached", "control")}
                 for part in ("greedy", "prefix_again", "seeded")}
             log("batch invariant", json.dumps(out["v2-eager-batch-invariant"]))
         except Exception as exc:
