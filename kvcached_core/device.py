@@ -8,8 +8,12 @@ device string  backend     torch device
 ``hip:N``      ``hip``     ``cuda:N`` (PyTorch-ROCm's alias for AMD GPUs)
 =============  ==========  ===================================================
 
-A plugin may pick another backend for a device through the
-``kvcached_select_backend`` hook.
+Plugins may pick another backend for a device (the ``kvcached_select_backend``
+hook), but this module does not ask them: the layers above install a selector
+with :func:`set_backend_selector` (the plugin framework does when it is
+imported). Without one, the table above is the whole rule. This module, like
+:mod:`kvcached_core.vmm` and :mod:`kvcached_core.allocator` above it, never
+imports :mod:`kvcached_core.plugins`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from kvcached_core.env import shown
@@ -25,6 +30,26 @@ from kvcached_core.errors import BackendUnavailableError, KVCachedConfigError
 _DEVICE_RE = re.compile(r"^(cpu|cuda|hip)(?::(\d+))?$")
 #: The largest device index kvcached accepts (the drivers take a C ``int``).
 MAX_DEVICE_INDEX = (1 << 16) - 1
+
+#: ``selector(device, compiled)``: the normalised device string (``"cuda:0"``) and
+#: the compiled backends in, a backend name (or ``None``: no opinion) out.
+BackendSelector = Callable[[str, tuple[str, ...]], "str | None"]
+
+_selector: BackendSelector | None = None
+
+
+def set_backend_selector(selector: BackendSelector | None) -> BackendSelector | None:
+    """Install the function :func:`parse_device` asks for a device's backend.
+
+    The plugin framework installs one that asks its plugins; ``None`` leaves
+    the compiled rule alone in charge.
+
+    Returns:
+        The selector installed before.
+    """
+    global _selector
+    previous, _selector = _selector, selector
+    return previous
 
 
 @dataclass(frozen=True)
@@ -91,9 +116,8 @@ def parse_device(device: Any) -> Device:
         backend = "hip" if kind == "hip" or torch_is_rocm() else "cuda"
         torch_device = f"cuda:{index}"
     compiled = compiled_backends()
-    from kvcached_core.plugins import select_backend
-
-    chosen = select_backend(text, compiled)
+    selector = _selector
+    chosen = selector(text, compiled) if selector is not None else None
     if chosen is not None:
         backend = chosen
     if backend not in compiled:

@@ -17,6 +17,10 @@ distribution name (``vllm`` or ``kvcached-vllm``):
 A plugin that fails to import or to validate is logged and skipped; the others
 load normally. The manager is created lazily, once per process, by
 :func:`get_plugin_manager`.
+
+Importing this module installs :func:`select_backend` as the device code's
+backend selector (:func:`kvcached_core.device.set_backend_selector`): the
+memory stack asks plugins through it and never imports them itself.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import pluggy
 from packaging.version import Version
 
 from kvcached_core import hookspecs
+from kvcached_core.device import set_backend_selector
 from kvcached_core.env import env_bool, env_list
 from kvcached_core.errors import KVCachedConfigError, PluginError
 from kvcached_core.plugins._process import process_lock
@@ -483,3 +488,7 @@ def select_backend(device: str, compiled: tuple[str, ...]) -> str | None:
 def available_backends() -> dict[str, BackendRecord]:
     """Every backend contributed by a plugin, by name (see :meth:`KVCachedPluginManager.backends`)."""
     return get_plugin_manager().backends()
+
+
+# The device code asks plugins for backends through this, without importing them.
+set_backend_selector(select_backend)
