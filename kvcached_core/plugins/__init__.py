@@ -1,6 +1,6 @@
 """kvcached's plugin framework.
 
-* :mod:`~kvcached_core.hookspecs`: the hooks plugins implement (``kvcached_core.hookimpl``).
+* :mod:`.hookspecs`: the hooks plugins implement (marked with ``kvcached_core.hookimpl``).
 * :mod:`.records`: the typed records plugins return and kvcached reports.
 * :mod:`.patching`: :class:`Patch` and the all-or-nothing :class:`PatchSet`.
 * :mod:`.versions`: engine version detection and range matching.

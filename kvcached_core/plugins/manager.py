@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import pluggy
 from packaging.version import Version
 
-from kvcached_core import hookspecs
+from kvcached_core.plugins import hookspecs
 from kvcached_core.device import set_backend_selector
 from kvcached_core.env import env_bool, env_list
 from kvcached_core.errors import KVCachedConfigError, PluginError

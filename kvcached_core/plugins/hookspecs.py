@@ -23,7 +23,8 @@ distribution; hook wrappers are not used for kvcached's hooks.
 
 The records are defined in :mod:`kvcached_core.plugins.records` and
 :mod:`kvcached_core.plugins.patching`; this module imports them only for type
-checking so that ``import kvcached_core`` stays cheap.
+checking, so it needs pluggy alone. Plugin authors import :data:`hookimpl` from
+the package root (``from kvcached_core import hookimpl``).
 """
 
 from __future__ import annotations
