@@ -223,7 +223,7 @@ def test_plugins_reach_the_device_code_through_the_installed_selector(monkeypatc
     from kvcached_core import device
     from kvcached_core.plugins import manager
 
-    assert device._selector is manager.select_backend  # installed by importing the framework
+    assert device._selector is manager.backend_for  # installed by importing the framework
     asked: list[tuple[str, tuple[str, ...]]] = []
 
     def host_for_everything(text: str, compiled: tuple[str, ...]) -> str:
