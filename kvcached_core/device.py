@@ -31,6 +31,8 @@ from kvcached_core.errors import BackendUnavailableError, KVCachedConfigError
 
 #: The device types the compiled backends serve; any other needs a plugin's backend.
 NATIVE_DEVICE_TYPES = ("cpu", "cuda", "hip")
+#: The backends a build may compile in (:func:`compiled_backends` says which it did).
+NATIVE_BACKENDS = ("cuda", "hip", "host")
 #: What a device type looks like (``xpu`` in ``xpu:0``).
 DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]*")
 _DEVICE_RE = re.compile(rf"^({DEVICE_TYPE.pattern})(?::(\d+))?$")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from kvcached_core.device import DEVICE_TYPE, NATIVE_DEVICE_TYPES
+from kvcached_core.device import DEVICE_TYPE, NATIVE_BACKENDS, NATIVE_DEVICE_TYPES
 from kvcached_core.errors import BackendUnavailableError, KVCachedError, PluginError
 from kvcached_core.plugins.versions import parse_specifier, version_matches
 
@@ -224,7 +224,7 @@ class BackendRecord:
     the allocator unchanged.
 
     Attributes:
-        name: Unique backend name, e.g. ``"xpu"``.
+        name: Unique backend name, e.g. ``"xpu"`` (not ``cuda``, ``hip`` or ``host``).
         devices: Device types it serves, e.g. ``("xpu",)``: lowercase names
             other than ``cpu``, ``cuda`` and ``hip``, unique across plugins.
         description: One line for ``kvctl doctor``.
@@ -241,8 +241,8 @@ class BackendRecord:
         distribution: Set by kvcached: the distribution that ships it.
 
     Raises:
-        PluginError: A field is malformed (bad name, device type, factory or
-            torch_device).
+        PluginError: A field is malformed (bad or taken name, device type,
+            factory or torch_device).
     """
 
     name: str
@@ -255,6 +255,8 @@ class BackendRecord:
 
     def __post_init__(self) -> None:
         _check_name("backend", self.name)
+        if self.name in NATIVE_BACKENDS:
+            raise PluginError(f"backend name {self.name!r} is taken by a compiled backend")
         devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
         for kind in devices:
             if not isinstance(kind, str) or not DEVICE_TYPE.fullmatch(kind):

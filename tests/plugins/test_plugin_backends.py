@@ -171,6 +171,12 @@ def test_kvcached_backends_device_types_are_checked(devices: tuple[str, ...], me
         BackendRecord(name="x", devices=devices)
 
 
+@pytest.mark.parametrize("name", ["cuda", "hip", "host"])
+def test_kvcached_backends_names_of_compiled_backends_are_taken(name: str) -> None:
+    with pytest.raises(PluginError, match=f"backend name '{name}' is taken by a compiled backend"):
+        BackendRecord(name=name, devices="xdev")
+
+
 @pytest.mark.parametrize("template", ["{type}:{index}", "{", 3])
 def test_kvcached_backends_torch_device_templates_are_checked(template: Any) -> None:
     with pytest.raises(PluginError, match="is not a device name or a template with '{index}'"):
