@@ -9,12 +9,16 @@
 ``PageMapper.map`` raises :class:`~kvcached_core.errors.DeviceOutOfMemoryError`
 when the device has no memory left (the batch is rolled back first), and
 :class:`~kvcached_core.errors.MappingError` for a bad request.
+
+A device served by a plugin's backend gets that backend's mapper, which offers
+the part of the interface the allocator uses (:class:`PageMapper`).
 """
 
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcached_core.device import Device, parse_device
 from kvcached_core.env import shown
@@ -36,8 +40,57 @@ def _native():
 MAX_PAGE_SIZE = 1 << 40
 
 
-def open_mapper(device: Any = "cpu", page_size: int = DEFAULT_PAGE_SIZE):
-    """A page mapper for one device (``kvcached_core._native.PageMapper``).
+class VirtualTensor(Protocol):
+    """One reservation of a :class:`PageMapper`, backed page by page."""
+
+    @property
+    def mapped_pages(self) -> int: ...
+
+    def is_mapped(self, page: int) -> bool: ...
+
+    def dlpack(self) -> Any:
+        """What ``torch.from_dlpack`` takes: ``size`` uint8 bytes over the reservation."""
+
+
+class PageGroup(Protocol):
+    """Reservations mapped together: page ``p`` of each maps and unmaps at once."""
+
+    def map(self, pages: list[int]) -> None:
+        """Back ``pages`` in every reservation, all or nothing."""
+
+    def unmap(self, pages: list[int], synchronize: bool = True) -> None: ...
+
+
+class PageMapper(Protocol):
+    """What the allocator uses of a page mapper.
+
+    ``kvcached_core._native.PageMapper`` is the compiled one; a plugin backend's
+    mapper offers the same, plus ``torch_device``, how torch names its device.
+    """
+
+    backend: str  #: the backend's name
+    device: int  #: the device index
+    page_size: int
+    granularity: int  #: reservations are multiples of the page, pages of this
+
+    def reserve(self, size: int) -> VirtualTensor:
+        """Address space of ``size`` bytes (a multiple of the page), nothing mapped."""
+
+    def group(self, tensors: Sequence[VirtualTensor]) -> PageGroup: ...
+
+    def trim_pool(self, keep: int = 0) -> int:
+        """Release recycled handles beyond ``keep``; how many were released."""
+
+    def mem_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the device."""
+
+    def stats(self) -> Any:
+        """At least ``mapped_pages`` and ``pooled_handles``."""
+
+
+def open_mapper(device: Any = "cpu", page_size: int = DEFAULT_PAGE_SIZE) -> PageMapper:
+    """A page mapper for one device: ``kvcached_core._native.PageMapper``, or
+    the mapper of the plugin backend that serves the device.
 
     Raises:
         KVCachedConfigError: ``device`` is not a device string, or ``page_size``
@@ -54,14 +107,17 @@ def open_mapper(device: Any = "cpu", page_size: int = DEFAULT_PAGE_SIZE):
             f"(an integer in 1..{MAX_PAGE_SIZE})"
         )
     dev = parse_device(device)
+    if dev.provider is not None:
+        return dev.provider.open_mapper(dev, size)
     return _native().PageMapper(dev.backend, dev.index, size)
 
 
-def mapper_device(mapper) -> Device:
+def mapper_device(mapper: PageMapper) -> Device:
     """The :class:`Device` a mapper serves."""
     if mapper.backend == "host":
         return Device("host", 0, "cpu")
-    return Device(mapper.backend, mapper.device, f"cuda:{mapper.device}")
+    named = getattr(mapper, "torch_device", None)  # a plugin backend's mapper names it
+    return Device(mapper.backend, mapper.device, named or f"cuda:{mapper.device}")
 
 
 def as_tensor(vt, dtype: "torch.dtype | None" = None) -> "torch.Tensor":

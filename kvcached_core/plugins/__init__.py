@@ -1,6 +1,6 @@
 """kvcached's plugin framework.
 
-* :mod:`~kvcached_core.hookspecs`: the hooks plugins implement (``kvcached_core.hookimpl``).
+* :mod:`.hookspecs`: the hooks plugins implement (marked with ``kvcached_core.hookimpl``).
 * :mod:`.records`: the typed records plugins return and kvcached reports.
 * :mod:`.patching`: :class:`Patch` and the all-or-nothing :class:`PatchSet`.
 * :mod:`.versions`: engine version detection and range matching.
@@ -24,6 +24,7 @@ from kvcached_core.plugins.manager import (
     ENTRY_POINT_GROUP,
     KVCachedPluginManager,
     available_backends,
+    backend_for,
     get_plugin_manager,
     reset_plugin_manager,
     select_backend,
@@ -63,6 +64,7 @@ __all__ = [
     "RevertResult",
     "active_patches",
     "available_backends",
+    "backend_for",
     "bootstrap",
     "bootstrap_results",
     "build_patch_set",

@@ -17,6 +17,10 @@ distribution name (``vllm`` or ``kvcached-vllm``):
 A plugin that fails to import or to validate is logged and skipped; the others
 load normally. The manager is created lazily, once per process, by
 :func:`get_plugin_manager`.
+
+Importing this module installs :func:`backend_for` as the device code's
+backend selector (:func:`kvcached_core.device.set_backend_selector`): the
+memory stack asks plugins through it and never imports them itself.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from typing import Any, TypeVar
 import pluggy
 from packaging.version import Version
 
-from kvcached_core import hookspecs
+from kvcached_core.plugins import hookspecs
+from kvcached_core.device import NATIVE_DEVICE_TYPES, set_backend_selector
 from kvcached_core.env import env_bool, env_list
-from kvcached_core.errors import KVCachedConfigError, PluginError
+from kvcached_core.errors import BackendUnavailableError, KVCachedConfigError, PluginError
 from kvcached_core.plugins._process import process_lock
 from kvcached_core.plugins.patching import Patch
 from kvcached_core.plugins.records import (
@@ -47,6 +52,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "KVCachedPluginManager",
     "available_backends",
+    "backend_for",
     "get_plugin_manager",
     "reset_plugin_manager",
     "select_backend",
@@ -369,11 +375,54 @@ class KVCachedPluginManager(pluggy.PluginManager):
         :class:`BackendRecord` is reported in :attr:`problems` and skipped.
 
         Raises:
-            PluginError: Two plugins contribute the same backend name.
+            PluginError: Two backends share a name or a device type.
         """
         if self._backends is None:
-            self._backends = self._by_name("kvcached_backends", BackendRecord, "backend")
+            backends = self._by_name("kvcached_backends", BackendRecord, "backend")
+            claimed: dict[str, BackendRecord] = {}
+            for record in backends.values():
+                for kind in record.devices:
+                    other = claimed.setdefault(kind, record)
+                    if other is not record:
+                        raise PluginError(
+                            f"device type {kind!r} is claimed twice: by backend {other.name!r} "
+                            f"of {other.owner} and by backend {record.name!r} of {record.owner}"
+                        )
+            self._backends = backends
         return dict(self._backends)
+
+    def backend_for(self, device: str, compiled: tuple[str, ...]) -> str | BackendRecord | None:
+        """What serves ``device``: the answer the device code's selector gives.
+
+        A ``kvcached_select_backend`` answer first: a compiled backend's name,
+        or the contributed backend of that name (any other name is returned
+        as it is, and the device code reports it missing). Else, for a device
+        type kvcached does not serve itself, the backend that lists it in its
+        ``devices``. Else ``None``: kvcached's own rule.
+
+        Raises:
+            PluginError: Two backends share a name or a device type.
+            BackendUnavailableError: The backend found has no factory.
+        """
+        name = self.select_backend(device, compiled)
+        if name is None:
+            kind = device.partition(":")[0]
+            if kind in NATIVE_DEVICE_TYPES:
+                return None
+            found = [r for r in self.backends().values() if kind in r.devices]
+            record = found[0] if found else None
+        elif name in compiled:
+            return name
+        else:
+            record = self.backends().get(name)
+            if record is None:
+                return name
+        if record is not None and record.factory is None:
+            raise BackendUnavailableError(
+                f"device {device!r} would be served by backend {record.name!r} of "
+                f"{record.owner}, which has no factory to open a page mapper"
+            )
+        return record
 
     def select_backend(self, device: str, compiled: tuple[str, ...]) -> str | None:
         """The first plugin answer to ``kvcached_select_backend``, or ``None``.
@@ -483,3 +532,16 @@ def select_backend(device: str, compiled: tuple[str, ...]) -> str | None:
 def available_backends() -> dict[str, BackendRecord]:
     """Every backend contributed by a plugin, by name (see :meth:`KVCachedPluginManager.backends`)."""
     return get_plugin_manager().backends()
+
+
+def backend_for(device: str, compiled: tuple[str, ...]) -> str | BackendRecord | None:
+    """What serves ``device`` by the plugins' answers: the device code's backend selector.
+
+    See :meth:`KVCachedPluginManager.backend_for`; ``None`` (never an error)
+    when no plugin is installed.
+    """
+    return get_plugin_manager().backend_for(device, tuple(compiled))
+
+
+# The device code asks plugins for backends through this, without importing them.
+set_backend_selector(backend_for)

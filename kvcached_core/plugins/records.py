@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from kvcached_core.errors import PluginError
+from kvcached_core.device import DEVICE_TYPE, NATIVE_BACKENDS, NATIVE_DEVICE_TYPES
+from kvcached_core.errors import BackendUnavailableError, KVCachedError, PluginError
 from kvcached_core.plugins.versions import parse_specifier, version_matches
 
 if TYPE_CHECKING:
+    from kvcached_core.device import Device
     from kvcached_core.plugins.patching import Patch, PatchSet
 
 __all__ = [
@@ -213,16 +215,34 @@ class EngineAdapter:
 
 @dataclass(frozen=True)
 class BackendRecord:
-    """A memory backend a plugin contributes.
+    """A memory backend a plugin contributes: page mappers for devices kvcached
+    does not serve itself.
+
+    ``open_mapper("xpu:0")`` reaches the backend that lists ``"xpu"`` in
+    :attr:`devices`; a ``kvcached_select_backend`` answer naming the backend
+    gives it a ``cpu``, ``cuda`` or ``hip`` device too. Its mappers then carry
+    the allocator unchanged.
 
     Attributes:
-        name: Unique backend name, e.g. ``"xpu"``.
-        devices: Device types it serves, e.g. ``("xpu",)``.
+        name: Unique backend name, e.g. ``"xpu"`` (not ``cuda``, ``hip`` or ``host``).
+        devices: Device types it serves, e.g. ``("xpu",)``: lowercase names
+            other than ``cpu``, ``cuda`` and ``hip``, unique across plugins.
         description: One line for ``kvctl doctor``.
-        factory: Optional callable creating the backend; its signature is a
-            contract between the plugin and the code that selects the backend.
+        factory: ``factory(device, page_size)`` opens a page mapper for a
+            :class:`kvcached_core.device.Device` with the interface of
+            :class:`kvcached_core.vmm.PageMapper`: ``backend`` is :attr:`name`,
+            ``device`` the device index, ``page_size`` the one asked for and
+            ``torch_device`` the device's. A backend without one is listed
+            but serves no device.
+        torch_device: How torch names a device of this backend: ``""`` for the
+            device string itself (``"xpu:0"``), else a template with ``{index}``
+            (``"cpu"`` for a backend over host memory).
         plugin: Set by kvcached: the contributing plugin.
         distribution: Set by kvcached: the distribution that ships it.
+
+    Raises:
+        PluginError: A field is malformed (bad or taken name, device type,
+            factory or torch_device).
     """
 
     name: str
@@ -231,22 +251,77 @@ class BackendRecord:
     factory: Callable[..., Any] | None = None
     plugin: str | None = field(default=None, compare=False)
     distribution: str | None = field(default=None, compare=False)
+    torch_device: str = field(default="", kw_only=True)
 
     def __post_init__(self) -> None:
         _check_name("backend", self.name)
+        if self.name in NATIVE_BACKENDS:
+            raise PluginError(f"backend name {self.name!r} is taken by a compiled backend")
         devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
+        for kind in devices:
+            if not isinstance(kind, str) or not DEVICE_TYPE.fullmatch(kind):
+                raise PluginError(
+                    f"backend {self.name!r}: device type {kind!r} is invalid (use a lowercase "
+                    "letter, then lowercase letters, digits or '_')"
+                )
+            if kind in NATIVE_DEVICE_TYPES:
+                raise PluginError(
+                    f"backend {self.name!r}: kvcached serves {kind!r} devices itself; a plugin "
+                    "gives them its backend through kvcached_select_backend"
+                )
         object.__setattr__(self, "devices", devices)
         if self.factory is not None and not callable(self.factory):
             raise PluginError(f"backend {self.name!r}: factory must be callable")
+        try:
+            self.torch_device.format(index=0)
+        except (AttributeError, LookupError, ValueError):
+            raise PluginError(
+                f"backend {self.name!r}: torch_device {self.torch_device!r} is not a device "
+                "name or a template with '{index}'"
+            ) from None
 
     @property
     def owner(self) -> str:
         """The contributing plugin, for messages."""
         return describe_owner(self.plugin, self.distribution)
 
+    def torch_device_of(self, device: str, index: int) -> str:
+        """How torch names ``device`` (a normalised device string) of index ``index``."""
+        return self.torch_device.format(index=index) if self.torch_device else device
+
+    def open_mapper(self, device: Device, page_size: int) -> Any:
+        """A page mapper for ``device`` from :attr:`factory`; what ``vmm.open_mapper`` calls.
+
+        Raises:
+            BackendUnavailableError: The record has no factory.
+            PluginError: The factory raised (other than a kvcached error, which
+                passes through) or returned a mapper of another backend, page
+                size or device; the message names the plugin.
+        """
+        where = f"{self.owner}: backend {self.name!r}"
+        if self.factory is None:
+            raise BackendUnavailableError(f"{where} has no factory to open a page mapper")
+        try:
+            mapper = self.factory(device, page_size)
+        except KVCachedError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"{where}: its factory failed for device index {device.index} with "
+                f"{page_size}-byte pages: {type(exc).__name__}: {exc}"
+            ) from exc
+        wanted = (self.name, page_size, device.torch_device)
+        got = tuple(getattr(mapper, a, None) for a in ("backend", "page_size", "torch_device"))
+        if got != wanted:
+            raise PluginError(
+                f"{where}: its factory returned a {type(mapper).__name__} whose backend, page "
+                f"size and torch_device are {got!r}, not {wanted!r}"
+            )
+        return mapper
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
-        return _record_dict(self, skip=("factory",))
+        return _record_dict(self, skip=("factory", "torch_device"))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import sys
 import pytest
 from packaging.version import Version
 
-from kvcached_core import hookimpl, hookspecs
+from kvcached_core import hookimpl
 from kvcached_core.errors import PluginError
 from kvcached_core.plugins import (
     BackendRecord,
@@ -22,6 +22,7 @@ from kvcached_core.plugins import (
     available_backends,
     bootstrap,
     get_plugin_manager,
+    hookspecs,
     reset_plugin_manager,
     select_backend,
 )

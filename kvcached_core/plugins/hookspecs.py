@@ -23,7 +23,8 @@ distribution; hook wrappers are not used for kvcached's hooks.
 
 The records are defined in :mod:`kvcached_core.plugins.records` and
 :mod:`kvcached_core.plugins.patching`; this module imports them only for type
-checking so that ``import kvcached_core`` stays cheap.
+checking, so it needs pluggy alone. Plugin authors import :data:`hookimpl` from
+the package root (``from kvcached_core import hookimpl``).
 """
 
 from __future__ import annotations
@@ -111,8 +112,12 @@ def kvcached_extra_patches(engine: str, version: Version) -> Patch | Iterable[Pa
 def kvcached_backends() -> BackendRecord | Iterable[BackendRecord] | None:
     """Contribute memory backends (beyond the ones compiled into kvcached-core).
 
-    Backend names are unique across all plugins; a duplicate is an error naming
-    both plugins.
+    A backend serves the device types it lists (``open_mapper("xpu:0")``), or
+    any device a :func:`kvcached_select_backend` answer names it for: its
+    ``factory(device, page_size)`` opens a page mapper with the interface of
+    :class:`kvcached_core.vmm.PageMapper`, which the allocator then drives
+    unchanged. Backend names and device types are unique across all plugins;
+    a duplicate is an error naming both plugins.
 
     Example::
 
@@ -120,7 +125,7 @@ def kvcached_backends() -> BackendRecord | Iterable[BackendRecord] | None:
         def kvcached_backends():
             return BackendRecord(name="xpu", devices=("xpu",),
                                  description="Level Zero virtual memory",
-                                 factory=make_xpu_backend)
+                                 factory=XpuPageMapper)
 
     Returns:
         One :class:`~kvcached_core.plugins.records.BackendRecord`, an iterable of
@@ -133,7 +138,9 @@ def kvcached_select_backend(device: str, compiled: tuple[str, ...]) -> str | Non
     """Choose the memory backend for a device.
 
     The first implementation that returns a name wins; return ``None`` to let
-    the next plugin (and finally kvcached's own rule) decide.
+    the next plugin (and finally kvcached's own rule) decide. The name may be a
+    compiled backend's or a backend contributed through
+    :func:`kvcached_backends`.
 
     Example::
 
@@ -144,7 +151,8 @@ def kvcached_select_backend(device: str, compiled: tuple[str, ...]) -> str | Non
             return None
 
     Args:
-        device: The device string, e.g. ``"cuda:0"`` or ``"cpu"``.
+        device: The device string, normalised, e.g. ``"cuda:0"`` or ``"cpu"``
+            (or ``"xpu:0"``: a device type kvcached does not serve itself).
         compiled: The backends compiled into this build, e.g. ``("cuda", "host")``.
 
     Returns:
