@@ -67,7 +67,7 @@ from typing import Any
 from kvcached_core.errors import PatchError
 from kvcached_core.plugins import Patch
 
-__all__ = ["LEAK_CHECK_LAYOUTS", "build_patches", "leak_check_layout"]
+__all__ = ["LEAK_CHECK_LAYOUTS", "build_patches", "leak_check_layout", "paged_allocator_elastic"]
 
 _SCHED = "sglang.srt.managers.scheduler"
 _MIXIN = "sglang.srt.managers.scheduler_runtime_checker_mixin"
@@ -143,6 +143,19 @@ _PAGED_LINES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     (">=0.5.23.dev0,<0.5.24.dev0", "sglang.srt.mem_cache.allocator.paged",
      ("_release_page_ids",), "-sink"),
 )
+
+
+def _paged_name(method: str, suffix: str) -> str:
+    """The patch name of a paged-allocator method on one release line of :data:`_PAGED_LINES`."""
+    return f"elastic-paged-allocator-{method.lstrip('_')}{suffix}"
+
+
+def paged_allocator_elastic() -> bool:
+    """Whether kvcached's paged allocator (``PagedTokenToKVPoolAllocator``) is in place in this
+    process: the patch registry's answer for ``alloc_extend`` on any release line."""
+    from kvcached_core.plugins import is_applied
+
+    return any(is_applied(_paged_name("alloc_extend", suffix)) for *_, suffix in _PAGED_LINES)
 
 
 def leak_check_layout(version: Any) -> str | None:
@@ -367,7 +380,7 @@ def build_patches(version: Any) -> list[Patch]:
             patches.append(Patch(
                 f"{module}:PagedTokenToKVPoolAllocator.{meth}", versions=spec,
                 wrapper=_allocator_wrapper(version, meth, "PagedTokenToKVPoolAllocator"),
-                name=f"elastic-paged-allocator-{meth.lstrip('_')}{suffix}",
+                name=_paged_name(meth, suffix),
                 description="whole pages drawn from kvcached blocks; SGLang's kernels lay out "
                             "the slots"))
 
