@@ -6,9 +6,9 @@ the engine versions it applies to, and either a ``replacement`` object or a
 
     Patch(
         "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
-        versions=">=0.9.0,<0.33",
-        wrapper=lambda original: make_elastic_allocate_slots(original),
-        name="elastic-allocate-slots",
+        versions=">=0.25.0",
+        wrapper=wrap_allocate_slots,
+        name="exhaustion-is-a-miss",
     )
 
 A :class:`PatchSet` applies its patches in order, all or nothing: when a
