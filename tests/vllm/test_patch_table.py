@@ -7,23 +7,24 @@ import kvcached_vllm.patches as patches
 from tests.patch_tables import differences, row_specifier, table_rows
 
 
-def test_docstring_table_matches_the_registered_patches():
+def _differences(doc: str) -> list[str]:
     lists = {"CPU": patches.build_patches(None, device_type="cpu"),
              "GPU": patches.build_patches(None, device_type="cuda")}
-    problems = differences(patches.__doc__, "vLLM", lists, kvcached_vllm.SUPPORTED_VERSIONS,
-                           kvcached_vllm.COVERED_RELEASES)
+    return differences(doc, "vLLM", lists, kvcached_vllm.SUPPORTED_VERSIONS,
+                       kvcached_vllm.COVERED_RELEASES)
+
+
+def test_docstring_table_matches_the_registered_patches():
+    problems = _differences(patches.__doc__)
     assert not problems, "kvcached_vllm/patches.py's table differs from build_patches():\n" + \
         "\n".join(problems)
 
 
 def test_the_table_check_names_a_wrong_row():
-    lists = {"CPU": patches.build_patches(None, device_type="cpu"),
-             "GPU": patches.build_patches(None, device_type="cuda")}
     doc = patches.__doc__.replace("elastic-block-pool                     < 0.34",
                                   "elastic-block-pool                     < 0.33")
     assert doc != patches.__doc__
-    problems = differences(doc, "vLLM", lists, kvcached_vllm.SUPPORTED_VERSIONS,
-                           kvcached_vllm.COVERED_RELEASES)
+    problems = _differences(doc)
     assert len(problems) == 1 and problems[0].startswith("row 'elastic-block-pool' ('< 0.33')")
     assert "includes 0.33" in problems[0]  # the row stops before 0.33, the gate does not
 
