@@ -168,6 +168,11 @@ def differences(doc: str, versions_column: str, lists: Mapping[str, Sequence[Pat
     return problems
 
 
+def assert_no_differences(problems: Sequence[str], module: str) -> None:
+    """Fail naming every row of ``module``'s table that differs (see :func:`differences`)."""
+    assert not problems, f"{module}'s table differs from build_patches():\n" + "\n".join(problems)
+
+
 def _row_differs(row: Row, name: str, spec: SpecifierSet, patch: Patch,
                  platforms: Mapping[str, Mapping[str, Patch]], whole: SpecifierSet,
                  covered: Sequence[str]) -> list[str]:

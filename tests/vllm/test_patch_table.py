@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import kvcached_vllm
 import kvcached_vllm.patches as patches
-from tests.patch_tables import differences, row_specifier, table_rows
+from tests.patch_tables import assert_no_differences, differences, row_specifier, table_rows
 
 
 def _differences(doc: str) -> list[str]:
@@ -15,9 +15,7 @@ def _differences(doc: str) -> list[str]:
 
 
 def test_docstring_table_matches_the_registered_patches():
-    problems = _differences(patches.__doc__)
-    assert not problems, "kvcached_vllm/patches.py's table differs from build_patches():\n" + \
-        "\n".join(problems)
+    assert_no_differences(_differences(patches.__doc__), "kvcached_vllm/patches.py")
 
 
 def test_the_table_check_names_a_wrong_row():
