@@ -380,7 +380,7 @@ def make_pools(num_blocks: int):
 
     from kvcached_vllm.scheduler import make_block_pool, runtimes, scheduler_context
 
-    native_cls = getattr(BlockPool, "__wrapped__", BlockPool)
+    native_cls = BlockPool  # kvcached patches the coordinator's binding, never this class
     kw = dict(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE,
               enable_kv_cache_events=False, metrics_collector=None)
 

@@ -25,6 +25,9 @@ __all__ = ["PoolPublisher", "publish_pool"]
 
 _log = logging.getLogger("kvcached")
 
+#: The backing's own state: the publisher its timed ``map_pages`` / ``unmap_pages`` report to.
+_PUBLISHER_ATTR = "_kvcached_publisher"
+
 
 class PoolPublisher:
     """What :func:`publish_pool` returns: publish now, or be the allocator's limit source.
@@ -64,7 +67,8 @@ def publish_pool(backing: Any, pages: Any, segment: Any) -> PoolPublisher:
     """Time ``backing``'s map / unmap calls into ``segment`` and publish ``pages``' bytes.
 
     Pass the result to ``pages.watch_limit`` so that ``kvctl limit`` reaches the
-    allocator and idle changes are published too.
+    allocator and idle changes are published too. Publishing a backing again
+    times its calls into the new segment (they are wrapped once).
     """
     publisher = PoolPublisher(pages, segment)
     page_bytes = int(backing.page_bytes)
@@ -77,13 +81,14 @@ def publish_pool(backing: Any, pages: Any, segment: Any) -> PoolPublisher:
             try:
                 return call(page_ids, *args, **kwargs)
             finally:
-                publisher.publish((kind, time.perf_counter() - start,
-                                   len(page_ids) * page_bytes))
+                getattr(backing, _PUBLISHER_ATTR).publish(
+                    (kind, time.perf_counter() - start, len(page_ids) * page_bytes))
 
-        run.__kvcached_published__ = True  # type: ignore[attr-defined]
         return run
 
-    if not getattr(backing.map_pages, "__kvcached_published__", False):
+    timed_already = getattr(backing, _PUBLISHER_ATTR, None) is not None
+    setattr(backing, _PUBLISHER_ATTR, publisher)
+    if not timed_already:
         backing.map_pages = timed("map", backing.map_pages)
         backing.unmap_pages = timed("unmap", backing.unmap_pages)
     publisher.publish()

@@ -29,7 +29,15 @@ from kvcached_core.plugins.manager import (
     reset_plugin_manager,
     select_backend,
 )
-from kvcached_core.plugins.patching import UNSET, Patch, PatchSet, active_patches, parse_target
+from kvcached_core.plugins.patching import (
+    UNSET,
+    Patch,
+    PatchSet,
+    active_patches,
+    is_applied,
+    parse_target,
+    patch_of,
+)
 from kvcached_core.plugins.rebind import reads_global, with_globals
 from kvcached_core.plugins.records import (
     BackendRecord,
@@ -71,9 +79,11 @@ __all__ = [
     "detect_engine_version",
     "engine_patch_set",
     "get_plugin_manager",
+    "is_applied",
     "parse_specifier",
     "parse_target",
     "parse_version",
+    "patch_of",
     "reads_global",
     "reset_bootstrap",
     "reset_plugin_manager",

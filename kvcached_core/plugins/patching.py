@@ -6,9 +6,9 @@ the engine versions it applies to, and either a ``replacement`` object or a
 
     Patch(
         "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
-        versions=">=0.9.0,<0.33",
-        wrapper=lambda original: make_elastic_allocate_slots(original),
-        name="elastic-allocate-slots",
+        versions=">=0.25.0",
+        wrapper=wrap_allocate_slots,
+        name="exhaustion-is-a-miss",
     )
 
 A :class:`PatchSet` applies its patches in order, all or nothing: when a
@@ -30,6 +30,11 @@ Rules that make revert exact:
   them in ``also_rebind`` to patch them too; kvcached warns about copies it
   finds but was not told about, at apply time (when patching a name where it is
   defined) and at revert time (copies that still hold the replacement).
+
+Which patches are in place is asked of the record kvcached keeps of every
+applied patch, from any set: :func:`is_applied` (by name), :func:`patch_of`
+(by the value at hand: which patch installed it) and :func:`active_patches`
+(all of them). Patched objects carry no marker attribute to be asked instead.
 
 A ``deferred`` patch whose module is not imported yet when the set is applied
 waits for that import (:mod:`~kvcached_core.plugins.import_hooks`) and is applied
@@ -72,7 +77,9 @@ __all__ = [
     "Patch",
     "PatchSet",
     "active_patches",
+    "is_applied",
     "parse_target",
+    "patch_of",
 ]
 
 _log = logging.getLogger("kvcached")
@@ -367,6 +374,47 @@ def active_patches() -> list[tuple[str | None, str, str]]:
     """``(plugin, patch name, target)`` of every patch in place in this process."""
     with process_lock():
         return sorted({key for _, key in _ACTIVE.values()}, key=str)
+
+
+def is_applied(name: str, *, plugin: str | None = None) -> bool:
+    """Whether a patch named ``name`` is in place in this process, from any patch set.
+
+    This (or :func:`patch_of` for a value at hand) is how kvcached, its plugins
+    and their tests ask whether a patch is in place; patched objects carry no
+    marker of their own. A deferred patch still waiting for its module's import
+    is not in place yet.
+
+    Args:
+        name: The patch name.
+        plugin: Only count a patch contributed by this plugin (``None``: any).
+    """
+    with process_lock():
+        return any(
+            key[1] == name and (plugin is None or key[0] == plugin) for _, key in _ACTIVE.values()
+        )
+
+
+def patch_of(value: Any) -> tuple[str | None, str, str] | None:
+    """``(plugin, patch name, target)`` of the patch in place that installed ``value``.
+
+    ``value`` may be read from anywhere: the patched attribute, a
+    ``from X import Y`` copy of it, a bound method of a patched class (its
+    function is looked up) or the function of a patched ``staticmethod`` /
+    ``classmethod``. Values are compared by identity, so numbers and strings
+    (whose identity means nothing) are never matched. ``None`` when no patch in
+    place installed it (a reverted patch no longer counts).
+    """
+    if value is None or isinstance(value, (int, float, complex, str, bytes)):
+        return None
+    if inspect.ismethod(value):
+        value = value.__func__
+    with process_lock():
+        for installed, key in _ACTIVE.values():
+            if installed is value or (
+                isinstance(installed, _METHOD_KINDS) and installed.__func__ is value
+            ):
+                return key
+    return None
 
 
 class _Skip(Exception):

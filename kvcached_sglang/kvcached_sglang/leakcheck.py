@@ -75,5 +75,4 @@ def with_leak_check_view(
         finally:
             _VIEW.reset(token)
 
-    checked.__kvcached_leak_check_view__ = True  # type: ignore[attr-defined]
     return checked

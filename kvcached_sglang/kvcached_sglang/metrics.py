@@ -74,8 +74,12 @@ def served_registry(route: Any) -> Any:
 def make_add_prometheus_middleware(original: Callable[..., Any],
                                    version: Any) -> Callable[..., Any]:
     """Patch wrapper for SGLang's ``add_prometheus_middleware(app)``."""
-    if getattr(original, "__kvcached_metrics__", False):
-        raise PatchError("add_prometheus_middleware is already kvcached's wrapper")
+    from kvcached_core.plugins import patch_of
+
+    installed = patch_of(original)
+    if installed is not None:
+        raise PatchError(f"add_prometheus_middleware is already the wrapper of kvcached patch "
+                         f"{installed[1]!r}")
     try:
         src = inspect.getsource(original)
     except (OSError, TypeError):
@@ -107,5 +111,4 @@ def make_add_prometheus_middleware(original: Callable[..., Any],
                          exc_info=True)
         return result
 
-    add_prometheus_middleware.__kvcached_metrics__ = True  # type: ignore[attr-defined]
     return add_prometheus_middleware

@@ -6,35 +6,64 @@ its memory-pool modules were imported, and ``from X import Y`` copies (for
 example ``allocator.swa`` from 0.5.13) share the class object, so a changed
 method reaches every user.
 
-=========================  =================================================  ==================
-what                       target                                             releases
-=========================  =================================================  ==================
-MHA buffers on kvcached    ``memory_pool:MHATokenToKVPool._create_buffers``   0.4.9 - 0.5.15
-                           ``..._create_buffers_normal`` (dispatcher split)   0.5.16 - 0.5.23
-MLA buffers on kvcached    ``memory_pool:MLATokenToKVPool.__init__`` (inline) 0.4.9 - 0.5.4
-                           ``memory_pool:MLATokenToKVPool._create_buffers``   0.5.6 - 0.5.23
-token allocator (page 1)   ``mem_cache.allocator:TokenToKVPoolAllocator.*``   0.4.9 - 0.5.12
-                           ``mem_cache.allocator.token:...`` (a package)      0.5.13 - 0.5.23
-paged allocator (page > 1) ``mem_cache.allocator:PagedTokenToKVPoolAllocator`` 0.4.9 - 0.5.12
-                           ``mem_cache.allocator.paged:...``                  0.5.13 - 0.5.15
-                           same, plus ``_release_page_ids`` (free sink)       0.5.23
-idle leak check, layout A  ``managers.scheduler:Scheduler.check_memory``      0.4.9 - 0.5.3
-layout B                   ``scheduler_runtime_checker_mixin:``
-                           ``SchedulerRuntimeCheckerMixin.check_memory``      0.5.4 - 0.5.10
-layout C                   ``...Mixin.on_idle`` (``_report_leak`` split)      0.5.11 - 0.5.12
-layout D                   ``managers.scheduler:Scheduler.on_idle`` driving
-                           ``SchedulerInvariantChecker``                      0.5.13 - 0.5.23
-opt-in busy checks         ``self_check_during_busy`` (mixin / checker)       0.5.6 - 0.5.23
-virtual memory profile     ``model_runner:ModelRunner.profile_max_num_token`` 0.4.9 - 0.5.10
-                           ``ModelRunner._profile_available_bytes``           0.5.11 - 0.5.15
-                           ``kv_cache_configurator:KVCacheConfigurator.``
-                           ``_profile_available_bytes``                       0.5.16 - 0.5.23
-/metrics shows kvcached    ``utils:add_prometheus_middleware``                0.4.9 - 0.5.2
-(optional)                 ``utils.common:add_prometheus_middleware`` and
-                           its ``utils`` re-export                            0.5.3 - 0.5.10
-                           ``entrypoints.http_server:add_prometheus_``
-                           ``middleware`` (deferred to that import)           0.5.11 - 0.5.23
-=========================  =================================================  ==================
+The table is the set :func:`build_patches` returns (``tests/sglang/test_patch_table.py``
+holds them equal): ``X - Y`` runs from X's first development build through every
+build of Y (its post releases too); (optional) patches skip, logged, instead of
+rolling the set back.
+
+=============================================  ===============  ====================================
+patch                                          SGLang           what
+=============================================  ===============  ====================================
+elastic-mha-buffers                            0.4.9 - 0.5.15   MHA buffers on kvcached:
+                                                                ``MHATokenToKVPool._create_buffers``
+elastic-mha-buffers-normal                     0.5.16 - 0.5.23  ditto, ``_create_buffers_normal``
+                                                                (the 0.5.16 dispatcher split)
+elastic-mla-init                               0.4.9 - 0.5.4    MLA buffers on kvcached, built in
+                                                                ``MLATokenToKVPool.__init__``
+elastic-mla-buffers                            0.5.6 - 0.5.23   ditto, ``_create_buffers`` (0.5.5
+                                                                keeps SGLang's MLA buffers)
+elastic-token-allocator-<alloc>                0.4.9 - 0.5.12   token allocator (page 1) in
+                                                                ``mem_cache.allocator``
+elastic-token-allocator-<alloc>-pkg            0.5.13 - 0.5.23  ditto, ``mem_cache.allocator.token``
+elastic-paged-allocator-<paged>                0.4.9 - 0.5.12   paged allocator (page > 1) in
+                                                                ``mem_cache.allocator``
+elastic-paged-allocator-<paged>-pkg            0.5.13 - 0.5.15  ditto, ``mem_cache.allocator.paged``
+elastic-paged-allocator-<paged>-sink           0.5.23           ditto (0.5.16 - 0.5.22 keep SGLang's
+                                                                paged buffers), plus
+elastic-paged-allocator-release_page_ids-sink  0.5.23           ``_release_page_ids``, the free sink
+elastic-token-allocator-<backup>               0.4.9 - 0.5.12   speculative decoding's backup and
+elastic-paged-allocator-<backup>               0.4.9 - 0.5.12   restore: a journal of blocks
+elastic-token-allocator-<backup>-pkg           0.5.13 - 0.5.23  ditto (0.5.23 has no such methods)
+                                               (optional)
+elastic-paged-allocator-<backup>-pkg           0.5.13 - 0.5.23  ditto
+                                               (optional)
+virtual-profile-tokens                         0.4.9 - 0.5.10   KV memory profiled as if alone:
+                                                                ``profile_max_num_token``
+virtual-profile-bytes                          0.5.11 - 0.5.15  ditto, ``_profile_available_bytes``
+virtual-profile-configurator                   0.5.16 - 0.5.23  ditto, on ``KVCacheConfigurator``
+leak-check-A                                   0.4.9 - 0.5.3    idle leak check, layout A:
+                                                                ``Scheduler.check_memory``
+leak-check-B                                   0.5.4 - 0.5.10   layout B: ``check_memory`` of
+                                                                ``SchedulerRuntimeCheckerMixin``
+leak-check-C                                   0.5.11 - 0.5.12  layout C: the mixin's ``on_idle``
+                                                                (``_report_leak`` split)
+leak-check-D                                   0.5.13 - 0.5.23  layout D: ``Scheduler.on_idle``
+                                                                and the invariant checker
+busy-check-0                                   0.5.6 - 0.5.12   opt-in busy checks: the mixin's
+                                               (optional)       ``self_check_during_busy``
+busy-check-1                                   0.5.13 - 0.5.23  ditto, the invariant checker's
+                                               (optional)
+kvcached-metrics                               0.4.9 - 0.5.2    /metrics shows kvcached:
+                                               (optional)       ``utils:add_prometheus_middleware``
+kvcached-metrics-common                        0.5.3 - 0.5.10   ``utils.common``'s, and its
+                                               (optional)       ``utils`` re-export
+kvcached-metrics-http                          0.5.11 - 0.5.23  ``http_server``'s own binding
+                                               (optional)       (deferred to that import)
+=============================================  ===============  ====================================
+
+In the patch names ``<alloc>`` stands for each of ``available_size alloc free clear``,
+``<paged>`` for each of ``available_size alloc alloc_extend alloc_decode free clear`` and
+``<backup>`` for each of ``backup_state restore_state``.
 
 The leak-check patches run SGLang's own check inside kvcached's leak-check view
 (:mod:`kvcached_sglang.leakcheck`): the KV identity sees logical counts, the
@@ -67,7 +96,7 @@ from typing import Any
 from kvcached_core.errors import PatchError
 from kvcached_core.plugins import Patch
 
-__all__ = ["LEAK_CHECK_LAYOUTS", "build_patches", "leak_check_layout"]
+__all__ = ["LEAK_CHECK_LAYOUTS", "build_patches", "leak_check_layout", "paged_allocator_elastic"]
 
 _SCHED = "sglang.srt.managers.scheduler"
 _MIXIN = "sglang.srt.managers.scheduler_runtime_checker_mixin"
@@ -143,6 +172,19 @@ _PAGED_LINES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     (">=0.5.23.dev0,<0.5.24.dev0", "sglang.srt.mem_cache.allocator.paged",
      ("_release_page_ids",), "-sink"),
 )
+
+
+def _paged_name(method: str, suffix: str) -> str:
+    """The patch name of a paged-allocator method on one release line of :data:`_PAGED_LINES`."""
+    return f"elastic-paged-allocator-{method.lstrip('_')}{suffix}"
+
+
+def paged_allocator_elastic() -> bool:
+    """Whether kvcached's paged allocator (``PagedTokenToKVPoolAllocator``) is in place in this
+    process: the patch registry's answer for ``alloc_extend`` on any release line."""
+    from kvcached_core.plugins import is_applied
+
+    return any(is_applied(_paged_name("alloc_extend", suffix)) for *_, suffix in _PAGED_LINES)
 
 
 def leak_check_layout(version: Any) -> str | None:
@@ -367,7 +409,7 @@ def build_patches(version: Any) -> list[Patch]:
             patches.append(Patch(
                 f"{module}:PagedTokenToKVPoolAllocator.{meth}", versions=spec,
                 wrapper=_allocator_wrapper(version, meth, "PagedTokenToKVPoolAllocator"),
-                name=f"elastic-paged-allocator-{meth.lstrip('_')}{suffix}",
+                name=_paged_name(meth, suffix),
                 description="whole pages drawn from kvcached blocks; SGLang's kernels lay out "
                             "the slots"))
 

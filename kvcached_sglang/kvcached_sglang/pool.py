@@ -34,6 +34,7 @@ from typing import Any
 from kvcached_core.errors import KVCachedConfigError
 
 from kvcached_sglang.leakcheck import in_leak_check_view
+from kvcached_sglang.patches import paged_allocator_elastic
 
 __all__ = [
     "ElasticKV",
@@ -42,7 +43,6 @@ __all__ = [
     "ALLOCATOR_METHODS",
     "PAGED_ALLOCATOR_METHODS",
     "BACKUP_METHODS",
-    "paged_allocator_elastic",
     "elastic_allocator_method",
     "make_create_buffers",
     "make_mla_create_buffers",
@@ -336,17 +336,6 @@ def _paged_reason(page_size: int) -> str | None:
     return None
 
 
-def paged_allocator_elastic() -> bool:
-    """Whether kvcached patched this process's ``PagedTokenToKVPoolAllocator``."""
-    import sys
-
-    for name in ("sglang.srt.mem_cache.allocator.paged", "sglang.srt.mem_cache.allocator"):
-        cls = getattr(sys.modules.get(name), "PagedTokenToKVPoolAllocator", None)
-        if cls is not None:
-            return getattr(cls.alloc_extend, "__kvcached_elastic__", False)
-    return False
-
-
 def _open_elastic(pool: Any, dtype: Any, row_elems: int, num_buffers: int, name: str) -> ElasticKV:
     """Reserve ``pool``'s buffers in kvcached and record the stack as ``pool._kvcached``."""
     import torch
@@ -393,7 +382,6 @@ def make_create_buffers(original: Callable[..., Any], *, finish: bool) -> Callab
         if finish:
             _finish_tables(self)
 
-    _create_buffers.__kvcached_elastic__ = True  # type: ignore[attr-defined]
     return _create_buffers
 
 
@@ -450,7 +438,6 @@ def make_mla_create_buffers(original: Callable[..., Any], cls: type) -> Callable
             return original(self)
         _mla_kv_buffer(self, self.kv_cache_dim)
 
-    _create_buffers.__kvcached_elastic__ = True  # type: ignore[attr-defined]
     return _create_buffers
 
 
@@ -496,7 +483,6 @@ def make_mla_init(original: Callable[..., Any], cls: type) -> Callable[..., Any]
         self.mem_usage = self.get_kv_size_bytes() / (1 << 30)
         return None
 
-    __init__.__kvcached_elastic__ = True  # type: ignore[attr-defined]
     return __init__
 
 
@@ -725,5 +711,4 @@ def elastic_allocator_method(name: str, original: Callable[..., Any]) -> Callabl
     }
     fn = _paged_alloc(name, original) if name in ("alloc_extend", "alloc_decode") else made[name]
     functools.update_wrapper(fn, original)
-    fn.__kvcached_elastic__ = True  # type: ignore[attr-defined]
     return fn

@@ -93,7 +93,7 @@ def static_reason(obj: Any) -> str | None:
     args = getattr(obj, "server_args", None)
     page = getattr(obj, "page_size", None) or getattr(args, "page_size", 1) or 1
     if page != 1:
-        from kvcached_sglang.pool import paged_allocator_elastic
+        from kvcached_sglang.patches import paged_allocator_elastic
 
         if not paged_allocator_elastic():
             return f"page size {page} (this release's paged allocator is not elastic)"
@@ -157,5 +157,4 @@ def make_virtual_profile(original: Callable[..., Any], version: Any) -> Callable
             LAST_PROFILE.get("own_bytes", view[1]) / GiB, float(pre_load_gib))
         return result
 
-    profile.__kvcached_virtual_profile__ = True  # type: ignore[attr-defined]
     return profile

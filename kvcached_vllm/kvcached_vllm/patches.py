@@ -18,6 +18,10 @@ Every patch is deferred: it lands when vLLM itself imports its module, so the
 API process and the engine core never import the worker and model-runner
 modules (about 1.3-2 s per process on a CPU host) just to be patched.
 
+The table is the set :func:`build_patches` returns (``tests/vllm/test_patch_table.py``
+holds them equal): ``< X`` and ``>= X`` count from X's first development build,
+``X - Y`` runs through every Y.x release, (CPU) / (GPU) name the one platform's list.
+
 =====================================  ============  ==========================================
 patch                                  vLLM          what
 =====================================  ============  ==========================================
@@ -27,6 +31,10 @@ page-aligned-kv-blocks                 all           block count keeps layer reg
 elastic-scheduler-setup                all           kvcached setup with the scheduler's config
 step-fence-scheduled                   all           count scheduled steps (the unmap fence)
 step-fence-completed                   all           count completed steps (the unmap fence)
+release-records-on-shutdown            all           the pool's usage record and budget share go
+                                                     before vLLM's teardown
+release-records-when-dead              all           ditto before a failed engine core's client
+                                                     learns it died
 pool-lock-finish                       all           ``finish_requests`` under the pool's lock
 pool-lock-reset                        all           ``reset_prefix_cache`` under the pool's lock
 elastic-block-pool                     < 0.34        coordinator builds :class:`ElasticBlockPool`

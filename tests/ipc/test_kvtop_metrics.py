@@ -204,3 +204,45 @@ def test_publisher_times_a_real_allocators_maps(tmp_path):
     finally:
         pages.close()
         seg.close()
+
+
+def test_publishing_a_backing_again_times_its_calls_once_into_the_new_segment():
+    """The backing records which publisher its timed calls report to (its own state), so a
+    second ``publish_pool`` neither stacks the timers nor leaves them on the old segment."""
+    from types import SimpleNamespace
+
+    from kvcached_core.ipc.publish import publish_pool
+
+    class Backing:
+        page_bytes = 4096
+
+        def __init__(self) -> None:
+            self.mapped: list[list[int]] = []
+
+        def map_pages(self, page_ids):
+            self.mapped.append(list(page_ids))
+
+        def unmap_pages(self, page_ids):
+            pass
+
+    class Pages:
+        def stats(self):
+            return SimpleNamespace(in_use=0, reserved=0, page_bytes=4096, mapped_bytes=0)
+
+    class Segment:
+        def __init__(self) -> None:
+            self.observed: list[tuple] = []
+
+        def observe(self, *observed) -> None:
+            self.observed.append(observed)
+
+        def update(self, **_figures) -> None:
+            pass
+
+    backing, first, second = Backing(), Segment(), Segment()
+    publish_pool(backing, Pages(), first)
+    publish_pool(backing, Pages(), second)
+    backing.map_pages([1, 2])
+    assert backing.mapped == [[1, 2]]
+    assert first.observed == []
+    assert [(kind, size) for kind, _seconds, size in second.observed] == [("map", 2 * 4096)]

@@ -501,3 +501,28 @@ def test_plan_reports_verdicts(sets: Callable[..., PatchSet]) -> None:
     patch_set = sets(Patch(f"{HERE}:Engine.step", wrapper=_wrap_step, name="step"))
     patch_set.apply("1.5")
     assert [p.verdict for p in patch_set.plan("1.5")] == ["applied"]
+
+
+def test_the_registry_answers_which_patch_is_applied(sets: Callable[..., PatchSet]) -> None:
+    """``is_applied`` / ``patch_of``: one way to ask, by name or by the value at hand."""
+    import kvcached_core.plugins as plugins
+
+    vanilla_step = Engine.step
+    assert not plugins.is_applied("step") and plugins.patch_of(vanilla_step) is None
+    patch_set = sets(*_all_kinds(), plugin="kvt")
+    patch_set.apply("1.0")
+    assert plugins.is_applied("step") and plugins.is_applied("step", plugin="kvt")
+    assert not plugins.is_applied("step", plugin="other") and not plugins.is_applied("nothing")
+    step = ("kvt", "step", f"{HERE}:Engine.step")
+    assert plugins.patch_of(Engine.step) == step  # the class attribute
+    assert plugins.patch_of(Engine().step) == step  # a bound method: its function
+    assert plugins.patch_of(Engine.util)[1] == "util"  # a staticmethod's function
+    assert plugins.patch_of(Engine.make)[1] == "make"  # a classmethod, bound to the class
+    assert plugins.patch_of(Engine.__dict__["size"])[1] == "size"  # a property
+    copy = sys.modules[HERE].module_func  # what ``from X import module_func`` would hold
+    assert plugins.patch_of(copy) == ("kvt", "module-func", f"{HERE}:module_func")
+    assert plugins.patch_of(Engine.limit) is None  # 99: identity means nothing for numbers
+    assert plugins.patch_of(vanilla_step) is None and plugins.patch_of(None) is None
+
+    patch_set.revert()
+    assert not plugins.is_applied("step") and plugins.patch_of(copy) is None

@@ -58,7 +58,7 @@ def main(order: str, site_dir: str) -> None:
         raise SystemExit(f"unknown order {order!r}")
 
     import sglang
-    from kvcached_core.plugins import bootstrap_results, teardown
+    from kvcached_core.plugins import bootstrap_results, patch_of, teardown
 
     REPORT["sglang_version"] = sglang.__version__
     res = bootstrap_results().get("sglang")
@@ -71,7 +71,8 @@ def main(order: str, site_dir: str) -> None:
         "failed": [list(x) for x in ps.failed] if ps else [],
     }
     middleware = http.add_prometheus_middleware
-    REPORT["wrapped"] = bool(getattr(middleware, "__kvcached_metrics__", False))
+    installed = patch_of(middleware)  # the patch whose wrapper SGLang's server calls, if any
+    REPORT["wrapped"] = installed[1] if installed is not None else None
     # kvcached must not import prometheus_client before SGLang sets its directory.
     REPORT["prometheus_imported_early"] = "prometheus_client" in sys.modules
 
@@ -131,12 +132,11 @@ def main(order: str, site_dir: str) -> None:
     rev = teardown("sglang")
     REPORT["revert"] = {"conflicts": [str(c) for c in rev.conflicts] if rev else None,
                         "stale_aliases": [str(c) for c in rev.stale_aliases] if rev else None}
-    REPORT["restored"] = not getattr(http.add_prometheus_middleware, "__kvcached_metrics__",
-                                     False)
+    # No longer the wrapper the server called (a reverted patch is not in the registry).
+    REPORT["restored"] = installed is not None and http.add_prometheus_middleware is not middleware
     common = sys.modules.get("sglang.srt.utils.common", sgl_utils)
-    REPORT["definition_restored"] = not any(
-        getattr(getattr(m, "add_prometheus_middleware", None), "__kvcached_metrics__", False)
-        for m in (sgl_utils, common))
+    REPORT["definition_restored"] = installed is not None and not any(
+        getattr(m, "add_prometheus_middleware", None) is middleware for m in (sgl_utils, common))
 
 
 if __name__ == "__main__":

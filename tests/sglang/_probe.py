@@ -220,7 +220,7 @@ def check_paged(ps: int = 16) -> dict[str, Any]:
     """
     import torch
 
-    from kvcached_sglang.pool import paged_allocator_elastic
+    from kvcached_sglang.patches import paged_allocator_elastic
 
     pool = make_pool(4096, page_size=ps)
     state = getattr(pool, "_kvcached", None)
@@ -675,6 +675,7 @@ def check_profile(version) -> dict[str, Any]:
     import psutil
     import torch
 
+    from kvcached_core.plugins import patch_of
     from kvcached_sglang import profile as kprofile
     from sglang.srt.model_executor import model_runner as runner_module
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -722,7 +723,7 @@ def check_profile(version) -> dict[str, Any]:
     kprofile.LAST_PROFILE.clear()
     static = patched(Runner(**fields), pre_load_gib)
     return {"method": name, "virtual": virtual, "expected": expected, "real": real,
-            "patched": getattr(patched, "__kvcached_virtual_profile__", False),
+            "patched": (patch_of(patched) or (None, None))[1],
             "recorded": seen.get("method"), "static": static,
             "static_recorded": bool(kprofile.LAST_PROFILE)}
 

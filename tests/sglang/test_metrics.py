@@ -99,7 +99,7 @@ def test_sglang_metrics_endpoint_shows_kvcached_pools(version, order, dist_recor
     assert not other & set(boot["applied"])
     # The name SGLang's server calls is kvcached's wrapper, and kvcached imported
     # prometheus_client no earlier than SGLang (its multi-process directory comes first).
-    assert rep["wrapped"] is True
+    assert rep["wrapped"] == EXPECTED_PATCH[version]
     assert rep["prometheus_imported_early"] is False
     assert rep["status"] == [200, 200]
 
@@ -187,6 +187,29 @@ def test_gate_refuses_an_unforeseen_function():
 
     with pytest.raises(PatchError, match="/metrics gate did not foresee"):
         make_add_prometheus_middleware(add_prometheus_middleware, "0.9.9")
+
+
+def test_gate_refuses_to_wrap_kvcached_own_wrapper(monkeypatch):
+    """A binding that already holds the wrapper a patch in place installed (the patch
+    registry says which) is not wrapped a second time."""
+    from kvcached_core.errors import PatchError
+    from kvcached_core.plugins import Patch, PatchSet
+    from kvcached_sglang.metrics import make_add_prometheus_middleware
+
+    module = types.ModuleType("kvt_sglang_http")
+    module.add_prometheus_middleware = _sglang_like(object())
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    patch_set = PatchSet("sglang", [Patch(
+        f"{module.__name__}:add_prometheus_middleware", name="kvcached-metrics-http",
+        wrapper=lambda original: make_add_prometheus_middleware(original, "0.5.23"))])
+    assert patch_set.apply("0.5.23").status == "applied"
+    try:
+        with pytest.raises(PatchError, match="already the wrapper of kvcached patch "
+                                             "'kvcached-metrics-http'"):
+            make_add_prometheus_middleware(module.add_prometheus_middleware, "0.5.23")
+    finally:
+        assert patch_set.revert().ok
+    make_add_prometheus_middleware(module.add_prometheus_middleware, "0.5.23")  # vanilla again
 
 
 def test_unknown_registry_leaves_sglang_route_alone(caplog):

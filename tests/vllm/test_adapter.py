@@ -40,7 +40,7 @@ import json, sys
 import vllm
 from vllm import LLM  # what the API process has loaded when vLLM calls the entry point
 from kvcached_vllm.entry import register
-from kvcached_core.plugins import bootstrap_results
+from kvcached_core.plugins import bootstrap_results, patch_of
 register()
 worker = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_model_runner")
 before = bootstrap_results()["vllm"]
@@ -48,10 +48,11 @@ loaded = [m for m in worker if m in sys.modules]
 import vllm.v1.worker.cpu_worker  # a worker process: vLLM imports its worker class
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 after = bootstrap_results()["vllm"]
+installed = patch_of(GPUModelRunner.initialize_kv_cache_tensors)  # the patch that put it there
 print(json.dumps({"status": before.status, "loaded": loaded,
                   "deferred": before.patch_set.deferred, "applied": after.patch_set.applied,
                   "left": after.patch_set.deferred,
-                  "wrapped": hasattr(GPUModelRunner.initialize_kv_cache_tensors, "__wrapped__")}))
+                  "wrapped": installed and installed[1]}))
 """
 
 
@@ -71,7 +72,7 @@ def test_worker_patches_wait_for_vllm_to_import_the_worker():
     assert {"elastic-kv-tensors", "cpu-virtual-kv-budget"} <= set(out["deferred"])
     assert {"elastic-kv-tensors", "cpu-virtual-kv-budget"} <= set(out["applied"])
     assert "elastic-block-pool" in out["left"]  # scheduler side: the engine core imports it
-    assert out["wrapped"] and "elastic-kv-tensors" not in out["left"]
+    assert out["wrapped"] == "elastic-kv-tensors" and "elastic-kv-tensors" not in out["left"]
 
 
 def test_unsupported_version_runs_vanilla_and_strict_refuses():
