@@ -17,16 +17,13 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from conftest import env  # noqa: E402
 
+from kvcached_testing.vllm_cpu import kv_cache_config  # noqa: E402
+
 BLOCK = 64 << 10
 
 
 def _config(num_blocks: int = 64, layers: int = 2):
-    size = num_blocks * BLOCK
-    return SimpleNamespace(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[SimpleNamespace(size=layers * size, layers=[f"l{i}" for i in range(layers)],
-                                          layer_stride=size, block_stride=BLOCK, offset=0)],
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))])
+    return kv_cache_config(num_blocks, block_bytes=BLOCK, layers=layers, block_size=16)
 
 
 def _groups(*names: str):
