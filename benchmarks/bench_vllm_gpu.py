@@ -1,6 +1,6 @@
 """vLLM on one NVIDIA GPU with and without kvcached: tokens, memory, throughput, shared device.
 
-Run by ``benchmarks/run_gpu_vllm.sh`` on the GPU machine (vLLM from the offline
+Run by ``scripts/run_gpu_vllm.sh`` on the GPU machine (vLLM from the offline
 bundle, kvcached installed beside it)::
 
     python3 benchmarks/bench_vllm_gpu.py tokens --out $OUT/vllm-gpu-tokens.json

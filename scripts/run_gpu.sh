@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one go: build, GPU tests, GPU benchmarks.
-# Run from the repository root on a GPU machine with torch installed:
-#     OUT=/tmp/out bash benchmarks/run_gpu.sh
-# Logs and JSON results land in $OUT (default benchmarks/results/gpu-run).
+# Run on a GPU machine with torch installed:
+#     OUT=/tmp/out bash scripts/run_gpu.sh
+# Logs and JSON results land in $OUT (default benchmarks/results/gpu-run; a relative path is
+# the repository root's).
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu-run}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

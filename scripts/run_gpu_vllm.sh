@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # kvcached inside a real vLLM on one NVIDIA GPU (H100/H200: the bundle's kernels are sm_90).
-# Run from the repository root on the GPU machine, the offline vLLM bundle copied into the
-# checkout's ignored .gpu-vllm/ folder (cp ../shared/gpu-vllm/*.tar.xz .gpu-vllm/):
-#     OUT=/tmp/out bash benchmarks/run_gpu_vllm.sh tests tokens perf
-#     OUT=/tmp/out bash benchmarks/run_gpu_vllm.sh perf:throughput tokens:v2-graphs
+# Run on the GPU machine, the offline vLLM bundle copied into the checkout's ignored .gpu-vllm/
+# folder (cp ../shared/gpu-vllm/*.tar.xz .gpu-vllm/); relative paths are the repository root's:
+#     OUT=/tmp/out bash scripts/run_gpu_vllm.sh tests tokens perf
+#     OUT=/tmp/out bash scripts/run_gpu_vllm.sh perf:throughput tokens:v2-graphs
 # Steps (each once per machine): unpack vLLM 0.26.0 to /tmp/site, build kvcached-core in
 # place, install kvcached-vllm (its entry points) beside vLLM. Then, in order:
 #   tests    the GPU tests (tests/gpu, tests/ipc/test_remote.py, gpu-marked allocator tests)
@@ -14,6 +14,7 @@
 # "--variant held:KVCACHED_IDLE_TRIM_S=0 --stacks $OUT/stacks" to compare settings and see where
 # each engine's Python threads spend their time: $OUT/stacks.tgz).
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu-run}
 BUDGET=${BUDGET:-540}
 BUNDLE=${BUNDLE:-$(ls .gpu-vllm/vllm-*-sm90-site.tar.xz 2>/dev/null | head -1)}
