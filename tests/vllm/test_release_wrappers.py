@@ -171,7 +171,7 @@ def _pool034(num_blocks: int = 32 * 8, max_cached: int | None = None):
     import weakref
 
     from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
-    from kvcached_vllm.pool034 import ElasticBlockPool034
+    from kvcached_vllm.block_pool034 import ElasticBlockPool034
 
     layout = KVLayout(num_layers=2, buffer_bytes=num_blocks * BLOCK, page_size=PAGE, num_buffers=1)
     pages = PageAllocator(KVTensors.open("cpu", layout), prealloc=False, idle_trim_s=0,
