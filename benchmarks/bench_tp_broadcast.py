@@ -64,7 +64,7 @@ def measure(groups: dict[str, WorkerGroup], batch: int, blocks: int, per_block: 
         map_unmap_pair(lambda b: g.map(GROUP, batches[b]), lambda b: g.unmap(GROUP, batches[b]),
                        len(batches), nb, into, f"{tag}_batch{batch}")
 
-    for tag, g in groups.items():  # warm up connections, handle pools and caches
+    for tag, g in groups.items():  # warm up connections, spare handles and caches
         warm = {k: [] for k in samples}
         run(tag, g, 2 * PAGES, 2 * len(batches), warm)
     order = list(groups.items())
