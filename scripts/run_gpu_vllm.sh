@@ -6,7 +6,8 @@
 #     OUT=/tmp/out bash scripts/run_gpu_vllm.sh perf:throughput tokens:v2-graphs
 # Steps (each once per machine): unpack vLLM 0.26.0 to /tmp/site, build kvcached-core in
 # place, install kvcached-vllm (its entry points) beside vLLM. Then, in order:
-#   tests    the GPU tests (tests/gpu, tests/ipc/test_remote.py, gpu-marked allocator tests)
+#   tests    the GPU tests (tests/backends, tests/core, tests/ipc/test_remote.py, gpu-marked
+#            allocator and IPC tests)
 #   tokens   benchmarks/bench_vllm_gpu.py tokens -> $OUT/vllm-gpu-tokens.json
 #   perf     benchmarks/bench_vllm_gpu.py perf   -> $OUT/vllm-gpu-perf.json
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
@@ -54,9 +55,9 @@ status=0
 for phase in "$@"; do
   case $phase in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/ipc/test_remote.py \
+      python3 -m pytest -q -p no:cacheprovider -rs tests/backends tests/ipc/test_remote.py \
         tests/core 2>&1 | tee "$OUT/tests.log" | tail -5 || status=1
-      python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/allocator tests/tp 2>&1 \
+      python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/allocator tests/ipc 2>&1 \
         | tee -a "$OUT/tests.log" | tail -3 || status=1 ;;
     tokens*|perf*)  # tokens:v2-graphs,batch-invariant runs only those parts
       name=${phase%%:*}; parts=(); [ "$name" != "$phase" ] && IFS=, read -ra parts <<< "${phase#*:}"
