@@ -3,7 +3,7 @@
 Every backend is compiled in: cuda, hip and host. No GPU header or library is
 needed at build time: the driver types, constants and signatures the GPU
 backends use are declared in csrc/driver_api/ (checked against the real
-cuda.h and hip/hip_runtime_api.h by tests/core/test_driver_abi.py wherever
+cuda.h and hip/hip_runtime_api.h by tests/backends/test_driver_abi.py wherever
 those are installed), driver libraries are loaded at run time with dlopen,
 and memory reaches torch through DLPack. So a wheel built on a machine
 without CUDA or ROCm opens cuda:N on a host with an NVIDIA driver.

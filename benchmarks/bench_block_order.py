@@ -6,14 +6,14 @@ Why kvcached's block manager hands out the lowest free blocks of a page first.
 vLLM's CPU attention reads each request's blocks in table order; this replays
 its decode step (``cpu_attn_reshape_and_cache`` + ``cpu_attention_with_kv_cache``
 on every layer, vLLM's own ops, one thread) over one KV buffer shaped like the
-tiny engine of ``bench_vllm.py`` (2 layers, 2 KV heads, head_dim 64, 16-token
+tiny engine of ``kvcached_testing.vllm_cpu`` (2 layers, 2 KV heads, head_dim 64, 16-token
 blocks, bf16), for a burst of ``--requests`` requests of ``--prompt-len`` tokens
 decoding 64 tokens, with the block tables of:
 
 * ``vllm``: what vLLM's own ``BlockPool`` hands such a burst (a fresh pool:
   each prompt's blocks adjacent, decode blocks interleaved across requests);
 * ``kvcached``: what kvcached's ``ElasticBlockPool`` (built by the scheduler's
-  factory, as in ``bench_vllm.py``) hands the burst after ``--churn`` earlier
+  factory, ``kvcached_testing.vllm_cpu.make_pools``) hands the burst after ``--churn`` earlier
   bursts were served and freed in request order with the prefix cache on and
   capped (8192 tokens, the adapter's default), so freed blocks are reused;
 * ``shuffled``: the ``vllm`` tables with their block ids permuted at random
@@ -40,6 +40,7 @@ from pathlib import Path
 from _timing import run_info, summary, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # kvcached_testing
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 64, 16
 BLOCK_BYTES = HEADS * BLOCK * 2 * HEAD_DIM * 2   # per layer: K and V, bf16
@@ -67,9 +68,8 @@ def burst_tables(pool, n_req: int, prompt_blocks: int, hashes: itertools.count,
 
 
 def make_tables(args: argparse.Namespace) -> dict[str, list[list[int]]]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     os.environ.setdefault("KVCACHED_MAX_CACHED_TOKENS", "8192")
-    from bench_vllm import make_pools
+    from kvcached_testing.vllm_cpu import make_pools
 
     num_blocks = KV_BYTES // (BLOCK_BYTES * LAYERS)
     native, elastic, keep = make_pools(num_blocks)

@@ -5,10 +5,10 @@
 
 Per 2 MiB page (median microseconds), each kvcached call timed twice: from
 Python (what an engine adapter pays) and inside C++ (the mapper's own cost):
-  cold grow      kvcached map of a page with no pooled handle  vs raw create+map+set-access
-  recycled grow  kvcached map with a pooled handle              vs raw map+set-access
-  shrink         kvcached unmap (handle kept in the pool)       vs raw unmap
-  shrink+release kvcached unmap with a pool limit of 0           vs raw unmap+release
+  cold grow      kvcached map of a page with no spare handle   vs raw create+map+set-access
+  recycled grow  kvcached map with a spare handle               vs raw map+set-access
+  shrink         kvcached unmap (handle kept as a spare)        vs raw unmap
+  shrink+release kvcached unmap keeping no spares (pool limit 0) vs raw unmap+release
 Also: reservation time of the virtual KV tensors of a 32-layer model
 (per-layer K and V buffers), and on GPUs the read bandwidth of a kernel over
 elastic memory against plain cudaMalloc memory.

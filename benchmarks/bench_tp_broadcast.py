@@ -9,7 +9,7 @@ or the host backend for ``cpu``) each reserve the elastic K and V tensors of
 two layers and serve a :class:`WorkerListener` with the standard
 :class:`MapperHandler`: mapping page ``p`` backs page ``p`` of all four tensors.
 Unmaps synchronise the device first (the default), as the engine does. The
-workers are those of ``tests/tp`` (``tests/tp/tp_worker.py``).
+workers are those of the TP tests (``kvcached_testing/tp_worker.py``).
 
 The scheduler (this process) times, per page, with the median as the headline:
 
@@ -31,12 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tp, kvcached_core
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvcached_testing, kvcached_core
 
 from _timing import (  # noqa: E402
     map_unmap_pair, median_ratio, run_info, summary, write_result)
 from kvcached_core.ipc import WorkerGroup  # noqa: E402
-from tests.tp.tp_worker import GROUP, LAYERS, PAGE, PAGES, start_workers  # noqa: E402
+from kvcached_testing.tp_worker import GROUP, LAYERS, PAGE, PAGES, start_workers  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -64,7 +64,7 @@ def measure(groups: dict[str, WorkerGroup], batch: int, blocks: int, per_block: 
         map_unmap_pair(lambda b: g.map(GROUP, batches[b]), lambda b: g.unmap(GROUP, batches[b]),
                        len(batches), nb, into, f"{tag}_batch{batch}")
 
-    for tag, g in groups.items():  # warm up connections, handle pools and caches
+    for tag, g in groups.items():  # warm up connections, spare handles and caches
         warm = {k: [] for k in samples}
         run(tag, g, 2 * PAGES, 2 * len(batches), warm)
     order = list(groups.items())

@@ -6,7 +6,7 @@ Five measurements, vanilla and kvcached interleaved so
 load from other processes on the machine hits both alike:
 
 1. Throughput: offline ``LLM.generate`` on a tiny random-weight Llama (built
-   locally by ``tests/vllm/tiny_model.py``), greedy, a fixed batch of token-id
+   locally by ``kvcached_testing/tiny_model.py``), greedy, a fixed batch of token-id
    prompts; generated tokens per second. Each of ``--reps`` reps starts a
    vanilla and a kvcached engine, each in a subprocess of its own (start
    order alternating across reps), keeps both alive and alternates their
@@ -30,9 +30,10 @@ load from other processes on the machine hits both alike:
 3. Block pool alloc+free cycles per second, no engine, one process: vLLM's
    ``BlockPool`` against kvcached's ``ElasticBlockPool`` built by the
    scheduler's own factory (``make_block_pool`` inside ``scheduler_context``)
-   from a KV cache config shaped like the tiny engine's. Its page map/unmap
-   requests go over kvcached's IPC to a worker listener in this process
-   (a thread) backed by a host page mapper. One op is ``get_new_blocks(n)``
+   from a KV cache config shaped like the tiny engine's
+   (``kvcached_testing.vllm_cpu.make_pools``). Its page map/unmap requests go
+   over kvcached's IPC to a worker listener in this process (a thread) backed
+   by a host page mapper. One op is ``get_new_blocks(n)``
    then ``free_blocks`` of those blocks, prefix caching on, with ``--held``
    blocks kept allocated in the background (running requests); the
    implementations alternate across repetitions.
@@ -57,7 +58,6 @@ import gc
 import itertools
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -65,25 +65,14 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 from _timing import map_unmap_pair, run_info, summary, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+sys.path.insert(0, str(ROOT))  # kvcached_testing
 
-PAGE = 2 << 20
-NUM_LAYERS = 2          # the tiny model
-BLOCK_SIZE = 16         # vLLM's CPU default block size (tokens)
-BLOCK_BYTES = BLOCK_SIZE * 2 * 64 * 2 * 2  # tokens x KV heads x head_dim x (K, V) x bf16
-KV_BYTES = 512 << 20    # explicit KV budget, the same for both engines
-ENGINE_KW = dict(dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=True,
-                 enable_prefix_caching=True, kv_cache_memory_bytes=KV_BYTES)
-
-
-def prompts(n: int, length: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]} for _ in range(n)]
+from kvcached_testing.vllm_cpu import (  # noqa: E402
+    KV_BYTES, NUM_LAYERS, PAGE, TINY_ENGINE_KW, long_prompts, make_pools)
 
 
 def median(xs):
@@ -107,12 +96,12 @@ def engine_child(args: argparse.Namespace) -> None:
     conn = Client(args.address, authkey=args.namespace.encode())
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, **ENGINE_KW)
+    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, **TINY_ENGINE_KW)
     conn.send({"init_s": time.perf_counter() - t0})
     mon = None
 
     def generate(seed: int) -> tuple[float, list]:
-        batch = prompts(args.prompts, args.prompt_len, seed=seed)  # distinct: no prefix hits
+        batch = long_prompts(args.prompts, args.prompt_len, seed=seed)  # distinct: no prefix hits
         t = time.perf_counter()
         out = llm.generate(batch, params, use_tqdm=False)
         return time.perf_counter() - t, out
@@ -122,7 +111,8 @@ def engine_child(args: argparse.Namespace) -> None:
         if cmd[0] == "warmup":
             # A burst shaped like the timed ones (other prompts): vLLM's CPU kernels set
             # themselves up for each new batch shape on first use (100-300 ms here).
-            llm.generate(prompts(args.prompts, args.prompt_len, seed=999), params, use_tqdm=False)
+            llm.generate(long_prompts(args.prompts, args.prompt_len, seed=999), params,
+                         use_tqdm=False)
             # This front end's heap (vLLM, torch, the engine client) is then never scanned
             # again, as vLLM does in its engine core: a full collection of it took 0.4-0.5 s
             # and fell inside one timed call per engine, at a round set by its allocations.
@@ -306,7 +296,7 @@ def bench_engines(model: Path, args: argparse.Namespace) -> dict:
         "workload": {"prompts": args.prompts, "prompt_tokens_each": args.prompt_len,
                      "max_tokens": args.max_tokens, "generate_calls_per_engine": args.rounds,
                      "max_num_seqs": args.max_num_seqs, "greedy": True, "ignore_eos": True,
-                     "engine_kwargs": ENGINE_KW,
+                     "engine_kwargs": TINY_ENGINE_KW,
                      "warmup": "one burst of other prompts, as many and as long as a timed "
                                "call's, once per engine; then gc.collect + gc.freeze",
                      "gc": "gc.collect() before each timed call, outside it",
@@ -359,48 +349,6 @@ def bench_engines(model: Path, args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------ block pools
-
-
-def _kv_cache_config(num_blocks: int):
-    """The parts of a vLLM >= 0.29 ``KVCacheConfig`` kvcached reads, shaped like the tiny engine's."""
-    region = num_blocks * BLOCK_BYTES
-    tensor = SimpleNamespace(size=NUM_LAYERS * region, layers=[f"l{i}" for i in range(NUM_LAYERS)],
-                             layer_stride=region, block_stride=BLOCK_BYTES, offset=0)
-    spec = SimpleNamespace(block_size=BLOCK_SIZE)
-    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[tensor],
-                           kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
-
-
-def make_pools(num_blocks: int):
-    """vLLM's pool and the elastic one, the latter built as the scheduler builds it."""
-    from kvcached_core.ipc import WorkerListener
-    from kvcached_core.ipc.worker import MapperHandler
-    from kvcached_core.vmm import open_mapper
-    from vllm.v1.core.block_pool import BlockPool
-
-    from kvcached_vllm.scheduler import make_block_pool, runtimes, scheduler_context
-
-    native_cls = BlockPool  # kvcached patches the coordinator's binding, never this class
-    kw = dict(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE,
-              enable_kv_cache_events=False, metrics_collector=None)
-
-    ns = f"bench-pool-{uuid.uuid4().hex[:8]}"
-    os.environ["KVCACHED_IPC_NAME"] = ns
-    num_pages = -(-num_blocks * BLOCK_BYTES // PAGE)
-    mapper = open_mapper("cpu", PAGE)
-    regions = [mapper.reserve(num_pages * PAGE) for _ in range(NUM_LAYERS)]
-    listener = WorkerListener.for_namespace(ns, rank=0, handler=MapperHandler(mapper, {0: regions}),
-                                            label="bench worker").start()
-    vllm_config = SimpleNamespace(
-        instance_id=ns, device_config=SimpleNamespace(device_type="cpu"),
-        parallel_config=SimpleNamespace(data_parallel_rank=0, tensor_parallel_size=1,
-                                        pipeline_parallel_size=1))
-    with scheduler_context(vllm_config, _kv_cache_config(num_blocks)):
-        elastic = make_block_pool(native_cls)(**kw)
-    assert type(elastic).__name__ == "ElasticBlockPool", type(elastic)
-    native = native_cls(**kw)
-    keep = (mapper, regions, listener, runtimes()[-1])
-    return native, elastic, keep
 
 
 def time_cycles(pool, n: int, cycles: int) -> float:
@@ -505,7 +453,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     result["block_pool"] = bench_pools(args)
     if not args.skip_engine:
-        from tiny_model import build_tiny_llama
+        from kvcached_testing.tiny_model import build_tiny_llama
 
         with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
             model = build_tiny_llama(Path(tmp) / "tiny-llama")

@@ -1,6 +1,6 @@
 """vLLM on one NVIDIA GPU with and without kvcached: tokens, memory, throughput, shared device.
 
-Run by ``benchmarks/run_gpu_vllm.sh`` on the GPU machine (vLLM from the offline
+Run by ``scripts/run_gpu_vllm.sh`` on the GPU machine (vLLM from the offline
 bundle, kvcached installed beside it)::
 
     python3 benchmarks/bench_vllm_gpu.py tokens --out $OUT/vllm-gpu-tokens.json
@@ -10,7 +10,7 @@ Every engine runs in a child process of its own (``LLM(...)`` there; its engine
 core and worker below it), driven over a connection, so engines with different
 settings live side by side and their GPU memory is read per process through
 NVML (no CUDA context is created for reading). Models are random-weight Llamas
-built locally: ``tiny`` (tests/vllm/tiny_model.py) and ``1b`` (Llama-3.2-1B's
+built locally: ``tiny`` (kvcached_testing/tiny_model.py) and ``1b`` (Llama-3.2-1B's
 geometry: 16 layers, hidden 2048, 32 heads, 8 KV heads, intermediate 8192).
 Every engine gets the same explicit KV budget (``kv_cache_memory_bytes``), so
 vanilla and kvcached engines have the same block count and schedule alike;
@@ -64,7 +64,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+sys.path.insert(0, str(ROOT))  # kvcached_testing
 
 GIB = 1 << 30
 TINY_KV = 4 * GIB
@@ -81,7 +81,7 @@ def log(*args) -> None:
 
 def build_models(root: Path) -> dict[str, str]:
     """The tiny Llama and the 1B-shaped one, built here (random weights, no downloads)."""
-    from tiny_model import build_tiny_llama
+    from kvcached_testing.tiny_model import build_tiny_llama
 
     tiny = root / "tiny"
     if not (tiny / "config.json").exists():

@@ -3,12 +3,13 @@
     .venv-vllm/bin/python benchmarks/bench_vllm_kv_alignment.py
 
 One vanilla vLLM engine on CPU (kvcached off), the tiny local Llama of
-``bench_vllm.py``, worker pinned to the first core. Its worker holds the same
-KV cache in several backings at once and switches the layers' KV views between
-them before each generate call (``collective_rpc`` into a worker extension,
-prefix cache reset), in a shuffled order per round; every call is a burst of
-``--prompts`` requests, the same prompts for every backing of a round (their
-greedy tokens are compared in the first round).
+``bench_vllm.py`` (``kvcached_testing.vllm_cpu``), worker pinned to the first
+core. Its worker holds the same KV cache in several backings at once and
+switches the layers' KV views between them before each generate call
+(``collective_rpc`` into a worker extension, prefix cache reset), in a
+shuffled order per round; every call is a burst of ``--prompts`` requests,
+the same prompts for every backing of a round (their greedy tokens are
+compared in the first round).
 Engine, model, requests and scheduler are shared, so only the memory under
 the views differs:
 
@@ -42,7 +43,7 @@ from _timing import run_info, summary, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+sys.path.insert(0, str(ROOT))  # kvcached_testing
 
 
 class KVPlacement:
@@ -130,18 +131,19 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[0])
         os.sched_setaffinity(0, cores[1:])
 
-    from bench_vllm import ENGINE_KW, prompts
-    from tiny_model import build_tiny_llama
     from vllm import LLM, SamplingParams
+
+    from kvcached_testing.tiny_model import build_tiny_llama
+    from kvcached_testing.vllm_cpu import TINY_ENGINE_KW, long_prompts
 
     with tempfile.TemporaryDirectory(prefix="kvcached-align-") as tmp:
         model = build_tiny_llama(Path(tmp) / "model")
         llm = LLM(model=str(model), max_num_seqs=args.prompts,
-                  worker_extension_cls="bench_vllm_kv_alignment.KVPlacement", **ENGINE_KW)
+                  worker_extension_cls="bench_vllm_kv_alignment.KVPlacement", **TINY_ENGINE_KW)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         nbytes = llm.collective_rpc("kvp_setup", args=(kinds,))[0]
         residues = {k: llm.collective_rpc("kvp_use", args=(k,))[0] for k in kinds}
-        llm.generate(prompts(8, args.prompt_len, seed=999), params, use_tqdm=False)
+        llm.generate(long_prompts(8, args.prompt_len, seed=999), params, use_tqdm=False)
         bursts: list[tuple[str, float, float]] = []  # kind, decode median s, generate s
         tokens: dict[str, list] = {}
         rng = random.Random(0)
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 llm.reset_prefix_cache()  # cached blocks hold KV in the previous backing
                 llm.collective_rpc("kvp_use", args=(kind,))
                 t = time.perf_counter()
-                out = llm.generate(prompts(args.prompts, args.prompt_len, seed=r), params,
+                out = llm.generate(long_prompts(args.prompts, args.prompt_len, seed=r), params,
                                    use_tqdm=False)
                 dt = time.perf_counter() - t
                 steps = llm.collective_rpc("kvp_steps")[0]
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update({
         "workload": {"prompts": args.prompts, "prompt_tokens_each": args.prompt_len,
                      "max_tokens": args.max_tokens, "bursts_per_backing": args.rounds,
-                     "kv_buffer_bytes": nbytes, "engine_kwargs": ENGINE_KW,
+                     "kv_buffer_bytes": nbytes, "engine_kwargs": TINY_ENGINE_KW,
                      "pinning": "worker on the first core, front end and engine core on the "
                                 "others"},
         "backings": res,

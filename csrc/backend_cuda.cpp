@@ -2,7 +2,7 @@
 // one symbol table. Nothing links against libcuda and no CUDA header is
 // needed to build it: the types, constants and signatures used are declared
 // in driver_api/cuda_driver.h (checked against the real cuda.h by
-// tests/core/test_driver_abi.py wherever one is installed). A build imports
+// tests/backends/test_driver_abi.py wherever one is installed). A build imports
 // on machines without a GPU and fails only when the backend is opened.
 //
 // Every entry point is resolved by its exact ABI symbol (cuMemGetInfo ->

@@ -2,7 +2,7 @@
 // libamdhip64.so through one symbol table, like the CUDA backend. No HIP
 // header is needed to build it: the types, constants and signatures used are
 // declared in driver_api/hip_runtime.h (checked against the real
-// hip/hip_runtime_api.h by tests/core/test_driver_abi.py wherever one is
+// hip/hip_runtime_api.h by tests/backends/test_driver_abi.py wherever one is
 // installed). Entry points are resolved by their exact ABI symbol.
 //
 // The allocation properties are passed in the layout the loaded runtime

@@ -36,8 +36,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # How long the engine core waits for its worker to exit before it signals it (see stop()).
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_GRACE_S))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
-    from tiny_model import build_tiny_llama
+    # The checkout's kvcached_testing, after site-packages: kvcached comes from what is installed.
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+    from kvcached_testing.tiny_model import build_tiny_llama
 
     from vllm import LLM, SamplingParams
 

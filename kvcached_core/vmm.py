@@ -4,7 +4,11 @@
 >>> vt = mapper.reserve(64 << 20)               # address space only
 >>> mapper.map([vt], [0, 1])                    # back pages 0 and 1
 >>> t = as_tensor(vt, torch.float16)            # zero-copy torch view
->>> mapper.unmap([vt], [1])                     # page 1 returns to the pool
+>>> mapper.unmap([vt], [1])                     # page 1's handle is kept as a spare
+
+An unmapped page's physical handle stays with the mapper as a *spare handle*
+that the next map takes instead of creating one (the native mapper counts
+them in ``stats().pooled_handles`` and releases them with ``trim_pool``).
 
 ``PageMapper.map`` raises :class:`~kvcached_core.errors.DeviceOutOfMemoryError`
 when the device has no memory left (the batch is rolled back first), and

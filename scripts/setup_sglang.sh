@@ -9,8 +9,9 @@
 #                        tests/sglang/test_metrics.py builds SGLang's /metrics route from it
 #   .sglang/wheels/      the wheel cache (pip download): CI caches this folder
 # Nothing here pulls sgl-kernel, flashinfer or a CUDA torch: the tests run on the main venv's
-# CPU torch, with the shims in tests/sglang/shims for the modules that cannot exist on CPU.
-# Tests find the directories through tests/sglang/conftest.py and skip releases not installed.
+# CPU torch, with the shims in kvcached_testing/sglang_shims for the modules that cannot exist
+# on CPU. Tests find the directories through kvcached_testing/sglang_release.py and skip
+# releases not installed.
 #
 # Usage: scripts/setup_sglang.sh [VERSION ...]     (default: every tested release)
 #        PYTHON=.venv/bin/python scripts/setup_sglang.sh 0.5.12.post1

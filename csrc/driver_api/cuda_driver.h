@@ -7,7 +7,7 @@
 // Everything is taken from the documented, stable driver ABI (the CUDA
 // Driver API reference, "Data types" and "Virtual Memory Management"); the
 // declarations live in kvcached::cuda_driver so they never clash with the
-// real cuda.h, and tests/core/test_driver_abi.py checks each one against the
+// real cuda.h, and tests/backends/test_driver_abi.py checks each one against the
 // real header wherever it is installed (enum values and underlying types,
 // struct sizes and field offsets, function types and ABI symbol names).
 //

@@ -6,7 +6,7 @@
 // Taken from the documented HIP runtime API (HIP Runtime API Reference,
 // "Virtual Memory Management"); the declarations live in
 // kvcached::hip_runtime so they never clash with the real
-// hip/hip_runtime_api.h, and tests/core/test_driver_abi.py checks each one
+// hip/hip_runtime_api.h, and tests/backends/test_driver_abi.py checks each one
 // against the real header wherever it is installed.
 //
 // One ABI difference between releases matters here: hipMemAllocationProp

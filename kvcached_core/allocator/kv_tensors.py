@@ -177,11 +177,11 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _device_pages(free: int, total: int, pooled: int, utilization: float, page_bytes: int,
-                  handles_per_page: int) -> int:
+def _device_pages(free: int, total: int, spare_handles: int, utilization: float,
+                  page_bytes: int, handles_per_page: int) -> int:
     """Pages a device with ``free`` of ``total`` bytes can still back, keeping ``1 - utilization``."""
-    spare = max(0, free - int(total * (1.0 - utilization)))
-    return spare // page_bytes + pooled // max(1, handles_per_page)
+    headroom = max(0, free - int(total * (1.0 - utilization)))
+    return headroom // page_bytes + spare_handles // max(1, handles_per_page)
 
 
 class KVTensors:
@@ -286,9 +286,9 @@ class KVTensors:
         """Page ids mapped in the first buffer (all buffers agree outside a failure)."""
         return self._tensors[0].mapped_pages
 
-    def trim_pool(self, keep_pages: int = 0) -> int:
-        """Release the mapper's pooled handles beyond ``keep_pages`` pages' worth."""
-        return self._mapper.trim_pool(keep_pages * self.handles_per_page)
+    def trim_spare_handles(self, keep_pages: int = 0) -> int:
+        """Release the mapper's spare handles beyond ``keep_pages`` pages' worth."""
+        return self._mapper.trim_pool(keep_pages * self.handles_per_page)  # the native name
 
     def device_total(self) -> int:
         """Bytes of the device (for host memory: the machine's memory)."""
@@ -297,7 +297,7 @@ class KVTensors:
     def free_device_pages(self, utilization: float) -> int:
         """Page ids the device can still back while ``1 - utilization`` of it stays free.
 
-        Pooled handles count: a page mapped from the pool takes no new memory.
+        Spare handles count: a page mapped with a spare takes no new memory.
         """
         free, total = self._mapper.mem_info()
         return _device_pages(free, total, self._mapper.stats().pooled_handles, utilization,

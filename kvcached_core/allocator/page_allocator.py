@@ -26,12 +26,12 @@ faster than one batch) the refill target is the number of pages allocated in
 the last :data:`DEMAND_WINDOW_S` seconds (between ``min_reserved`` and
 ``max_reserved``), so the pages a busy engine will take next are mapped while
 its current step runs; an allocation that a refill in flight will cover waits
-for it instead of mapping the same amount again. Unmapped handles stay in the
-mapper's recycle pool, which the allocator trims to ``max_reserved`` pages'
-worth after each unmap, so the physical footprint is at most in-use + 2 x
-``max_reserved`` pages. After ``idle_trim_s`` seconds without a page
-allocation or free the thread unmaps the reserve down to ``idle_keep`` pages
-and empties the pool (once per idle spell): the first allocation of the next
+for it instead of mapping the same amount again. Unmapped handles stay with the
+mapper as *spare handles* for the next map, and the allocator trims them to
+``max_reserved`` pages' worth after each unmap, so the physical footprint is at
+most in-use + 2 x ``max_reserved`` pages. After ``idle_trim_s`` seconds without
+a page allocation or free the thread unmaps the reserve down to ``idle_keep``
+pages and releases every spare handle (once per idle spell): the first allocation of the next
 burst then takes a kept page instead of waiting for a map.
 
 Step fence
@@ -50,7 +50,7 @@ Memory limit
 ------------
 ``set_memory_limit(bytes)`` caps mapped pages at ``bytes // page_bytes``.
 A limit below what is in use is, by default, a *deferred shrink*: the reserve
-and the pool are released at once, no page is mapped while at or over the
+and the spare handles are released at once, no page is mapped while at or over the
 limit, and pages freed later are unmapped until the pool is under it. At all
 times (between calls) ``mapped <= max(limit, in_use)``, and once the pool is
 under the limit it stays there. With ``strict=True`` such a limit raises
@@ -63,7 +63,7 @@ Running out of device memory is a scheduling miss: ``alloc_pages`` returns
 such as :class:`~kvcached_core.errors.DeviceOutOfMemoryError` or a worker's
 :class:`~kvcached_core.errors.WorkerOutOfMemoryError`). The pages the device
 can still back are read through the backing's ``free_device_pages``, keeping
-``1 - gpu_utilization`` of the device free; pooled handles count as
+``1 - gpu_utilization`` of the device free; spare handles count as
 available. On the host backend the device is the memory this process may
 still commit: ``MemAvailable`` and the limits of its memory cgroups (v2
 ``memory.max - memory.current``), so a CPU engine in a memory-limited
@@ -86,7 +86,7 @@ enough, waits up to :data:`BUDGET_WAIT_S` for them to give it; then it is a
 scheduling miss, like out of memory. Every allocator with a budget watches for such asks
 from its background thread (every :data:`CONTROL_POLL_S` seconds, a memory
 read) and gives back, cheapest first, until the budget has room for what was
-asked: its reserve and the backing's pooled handles, then whole pages of
+asked: its reserve and the backing's spare handles, then whole pages of
 evictable prefix cache through the *evictor* the engine adapter registers
 (:meth:`PageAllocator.set_evictor`; it runs on the background thread, so it
 must take whatever lock guards the engine's block pool). A page in use is never
@@ -99,14 +99,14 @@ The backing
 -----------
 The allocator drives its ``kv_tensors`` through one small interface:
 ``num_pages``, ``page_bytes``, ``handles_per_page``, ``device``,
-``map_pages``, ``unmap_pages``, ``is_mapped``, ``trim_pool`` and
+``map_pages``, ``unmap_pages``, ``is_mapped``, ``trim_spare_handles`` and
 ``free_device_pages``. :class:`~kvcached_core.allocator.KVTensors` implements
 it over local memory, :class:`~kvcached_core.ipc.remote.RemoteKVTensors` over
 the memory of worker processes.
 
 Threads and fork
 ----------------
-All state sits behind one lock; driver work (map, unmap, pool trim) runs
+All state sits behind one lock; driver work (map, unmap, spare-handle trim) runs
 outside it, on pages marked in flight. The background thread (daemon; the
 *refiller*, ``kvcached-pages-<device>``) starts on the first allocation, only
 when ``prealloc`` or idle trim is on, never at import or construction.
@@ -600,7 +600,7 @@ class PageAllocator:
         if drop:
             self._unmap(drop)
             # Unmapped for the limit: give the memory back to the device too.
-            self._trim_pool(0 if limit_room < cap else self._max_reserved)
+            self._trim_spare_handles(0 if limit_room < cap else self._max_reserved)
 
     def free_page(self, page_id: int) -> None:
         """Give one page back (see :meth:`free_pages`)."""
@@ -644,11 +644,11 @@ class PageAllocator:
         if drop:
             self._unmap(drop)
         if lowered:
-            self._trim_pool(0)
+            self._trim_spare_handles(0)
         return pages
 
     def trim(self, keep: int = 0) -> int:
-        """Unmap the reserved pages beyond ``keep`` and release the mapper's pooled handles.
+        """Unmap the reserved pages beyond ``keep`` and release the mapper's spare handles.
 
         Returns the number of pages unmapped.
         """
@@ -657,7 +657,7 @@ class PageAllocator:
             drop = self._pop_reserve_locked(len(self._reserved) - keep)
         if drop:
             self._unmap(drop)
-        self._trim_pool(0)
+        self._trim_spare_handles(0)
         return len(drop)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -891,11 +891,11 @@ class PageAllocator:
         if self._budget is not None and freed:
             self._release_budget(freed * self._page_bytes)
 
-    def _trim_pool(self, keep_pages: int) -> None:
+    def _trim_spare_handles(self, keep_pages: int) -> None:
         try:
-            self._kv.trim_pool(keep_pages)
+            self._kv.trim_spare_handles(keep_pages)
         except Exception:
-            _log.exception("kvcached: releasing pooled page handles failed")
+            _log.exception("kvcached: releasing spare page handles failed")
 
     def _refresh_phys(self) -> None:
         """Keep the reading of what the device can still back fresh.
@@ -1081,12 +1081,12 @@ class PageAllocator:
             return 0
 
     def _drop_reserve(self) -> int:
-        """Unmap every reserved page the fence allows and the pooled handles."""
+        """Unmap every reserved page the fence allows and release the spare handles."""
         with self._cond:
             drop = self._pop_reserve_locked(len(self._reserved), safe_only=True)
         if drop:
             self._unmap(drop)
-        self._trim_pool(0)
+        self._trim_spare_handles(0)
         return len(drop)
 
     def _give_back(self, gen: int) -> None:
@@ -1119,7 +1119,7 @@ class PageAllocator:
             lowered = self._mapped_locked() - len(drop) > self._limit_pages
         if drop:
             self._unmap(drop)
-            self._trim_pool(0 if lowered else self._max_reserved)
+            self._trim_spare_handles(0 if lowered else self._max_reserved)
 
     def _refill(self) -> None:
         """Map one batch of pages into the reserve, towards its target (background thread)."""

@@ -239,11 +239,11 @@ class WorkerGroup:
         return [list(m.values) for m in self.request(MsgType.QUERY, group, pages)]
 
     def meminfo(self, group: int = 0) -> list[tuple[int, int, int]]:
-        """Every worker's device memory: ``(free bytes, total bytes, pooled handles)``."""
+        """Every worker's device memory: ``(free bytes, total bytes, spare handles)``."""
         out = []
         for m in self.request(MsgType.MEMINFO, group):
-            free, total, pooled = (list(m.values) + [0, 0, 0])[:3]
-            out.append((int(free), int(total), int(pooled)))
+            free, total, spare = (list(m.values) + [0, 0, 0])[:3]
+            out.append((int(free), int(total), int(spare)))
         return out
 
     def ping(self) -> None:

@@ -14,7 +14,7 @@ A claim that fails raises *pressure*: the wanted bytes, the requesting slot and
 a new pressure generation. Every other allocator's background thread reads the
 generation (an 8-byte load from the mapping, no system call) at ~20 Hz, and
 when it moved gives back, cheapest first, until the record has room for what
-was wanted: its mapped reserve and pooled handles, then whole pages of
+was wanted: its mapped reserve and spare handles, then whole pages of
 evictable prefix cache through its engine adapter's hook. The requester
 retries on its next scheduling step.
 

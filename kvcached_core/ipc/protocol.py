@@ -19,7 +19,7 @@ followed by an optional payload::
         24    4 text_len    number of utf-8 bytes after the values
         28      payload     count x int64 (page ids, handshake fields, or
                             MEMINFO's answer: the device's free and total
-                            bytes and the worker's pooled page handles),
+                            bytes and the worker's spare page handles),
                             then text_len bytes of text (the error message
                             of an error reply, the worker's label in HELLO)
 

@@ -139,12 +139,12 @@ class RemoteKVTensors:
     def mapped_pages(self) -> int:
         return len(self._mapped)
 
-    def trim_pool(self, keep_pages: int = 0) -> int:
-        """The workers trim their own handle pools after every unmap: nothing to do."""
+    def trim_spare_handles(self, keep_pages: int = 0) -> int:
+        """The workers trim their own spare handles after every unmap: nothing to do."""
         return 0
 
     def _meminfo(self) -> list[tuple[int, int, int]]:
-        """Each worker's ``(free, total, pooled handles)`` reading of its device."""
+        """Each worker's ``(free, total, spare handles)`` reading of its device."""
         if self._server is not None:
             return [tuple(self._server.apply("meminfo", self.group, []))]
         return [tuple(r) for r in self._connections().meminfo(self.group)]
@@ -157,8 +157,8 @@ class RemoteKVTensors:
 
     def free_device_pages(self, utilization: float) -> int:
         """Page ids every worker can still back while ``1 - utilization`` of its device stays free."""
-        return min(_device_pages(free, total, pooled, utilization, self.page_bytes,
-                                 self.handles_per_page) for free, total, pooled in self._meminfo())
+        return min(_device_pages(free, total, spare, utilization, self.page_bytes,
+                                 self.handles_per_page) for free, total, spare in self._meminfo())
 
     def close(self) -> None:
         """Close every thread's connections (the workers keep their memory)."""

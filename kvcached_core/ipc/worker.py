@@ -60,7 +60,7 @@ log = logging.getLogger("kvcached.ipc")
 
 #: ``handler(op, group, pages)``: ``op`` is ``"map"``, ``"unmap"``, ``"query"`` or
 #: ``"meminfo"``. It returns ``None``, or for ``query`` (the mapped pages) and
-#: ``meminfo`` (``[free bytes, total bytes, pooled handles]`` of the device)
+#: ``meminfo`` (``[free bytes, total bytes, spare handles]`` of the device)
 #: the int64 values to send back.
 Handler = Callable[[str, int, list[int]], "Iterable[int] | None"]
 
@@ -78,7 +78,7 @@ class MapperHandler:
 
     ``query`` answers which of the given pages (all pages if none are given)
     are mapped in the group's first tensor; ``meminfo`` the device's free and
-    total bytes and the mapper's pooled handles.
+    total bytes and the mapper's spare handles.
     """
 
     def __init__(self, mapper: Any, tensors: Mapping[int, Sequence[Any]]) -> None:

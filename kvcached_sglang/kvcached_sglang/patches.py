@@ -266,7 +266,7 @@ def _busy_wrapper(original: Callable) -> Callable:
 
 
 def _pool_wrapper(version: Any, finish: bool) -> Callable[[Callable], Callable]:
-    from kvcached_sglang.pool import make_create_buffers
+    from kvcached_sglang.memory_pool import make_create_buffers
 
     def wrap(original: Callable) -> Callable:
         module = _module_of(original)
@@ -304,7 +304,7 @@ def _other_size_uses(src: str) -> list[str]:
 
 def _mla_wrapper(version: Any, inline: bool) -> Callable[[Callable], Callable]:
     """``MLATokenToKVPool.__init__`` (``inline``: buffers built in it) or ``._create_buffers``."""
-    from kvcached_sglang.pool import make_mla_create_buffers, make_mla_init
+    from kvcached_sglang.memory_pool import make_mla_create_buffers, make_mla_init
 
     def wrap(original: Callable) -> Callable:
         import sys
@@ -332,7 +332,7 @@ def _mla_wrapper(version: Any, inline: bool) -> Callable[[Callable], Callable]:
 
 def _allocator_wrapper(version: Any, name: str,
                        cls_name: str = "TokenToKVPoolAllocator") -> Callable[[Callable], Callable]:
-    from kvcached_sglang.pool import elastic_allocator_method
+    from kvcached_sglang.allocator import elastic_allocator_method
 
     def wrap(original: Callable) -> Callable:
         module = _alloc_module(original, cls_name)
@@ -390,7 +390,7 @@ def build_patches(version: Any) -> list[Patch]:
                              description=description))
 
     # Token allocator, page size 1.
-    from kvcached_sglang.pool import ALLOCATOR_METHODS
+    from kvcached_sglang.allocator import ALLOCATOR_METHODS
 
     for spec, module in ((">=0.4.9.dev0,<0.5.13.dev0", "sglang.srt.mem_cache.allocator"),
                          (">=0.5.13.dev0,<0.5.24.dev0", "sglang.srt.mem_cache.allocator.token")):
@@ -402,7 +402,7 @@ def build_patches(version: Any) -> list[Patch]:
                 description="token slots drawn from kvcached blocks"))
 
     # Paged allocator (page size > 1): SGLang's kernels over pages kvcached hands out.
-    from kvcached_sglang.pool import PAGED_ALLOCATOR_METHODS
+    from kvcached_sglang.allocator import PAGED_ALLOCATOR_METHODS
 
     for spec, module, extra, suffix in _PAGED_LINES:
         for meth in PAGED_ALLOCATOR_METHODS + extra:
@@ -415,7 +415,7 @@ def build_patches(version: Any) -> list[Patch]:
 
     # backup_state / restore_state (speculative decoding): a journal instead of a free-list
     # snapshot. From 0.5.13 optional: 0.5.23 has no such methods, 0.5.16 - 0.5.22 unchecked.
-    from kvcached_sglang.pool import BACKUP_METHODS
+    from kvcached_sglang.allocator import BACKUP_METHODS
 
     backup_lines = (
         (">=0.4.9.dev0,<0.5.13.dev0", "sglang.srt.mem_cache.allocator", True),

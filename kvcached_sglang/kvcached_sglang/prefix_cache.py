@@ -12,7 +12,7 @@ unmapped after the idle trim. The hot prefixes (the most recent) stay cached.
 The same moment serves another engine's ask for memory (the device budget of
 :mod:`kvcached_core.ipc.budget`) or a lowered ``kvctl limit``: the pool's
 allocator gives back its reserve at once from its background thread, and asks
-:class:`~kvcached_sglang.pool.ElasticKV` for whole pages of prefix cache, which
+:class:`~kvcached_sglang.memory_pool.ElasticKV` for whole pages of prefix cache, which
 the scheduler evicts here (least recently used first) and unmaps right away.
 A busy scheduler gives back its cache when it next goes idle.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from kvcached_core.config import max_cached_tokens
 
-from kvcached_sglang.pool import elastic_of
+from kvcached_sglang.memory_pool import elastic_of
 
 __all__ = ["trim_prefix_cache"]
 

@@ -312,7 +312,7 @@ def wrap_block_pool(original: Any) -> Any:
 def wrap_block_pool_weakref(original: Any) -> Any:
     """vLLM >= 0.34 (blocks name their pool through a weak reference, ``free_blocks`` takes
     ``evict_first``): as :func:`wrap_block_pool`, with :class:`ElasticBlockPool034`."""
-    from kvcached_vllm.pool034 import ElasticBlockPool034
+    from kvcached_vllm.block_pool034 import ElasticBlockPool034
     from kvcached_vllm.scheduler import make_block_pool
 
     return make_block_pool(original, pool_class=ElasticBlockPool034)

@@ -12,7 +12,7 @@ its bytes to the usage record that ``kvctl`` reads and sets limits through.
 :func:`scheduler_context` is entered around ``Scheduler.__init__`` (it has the
 ``VllmConfig`` and the ``KVCacheConfig``); :func:`make_block_pool` replaces the
 ``BlockPool`` name the KV cache coordinator instantiates and builds the
-:class:`~kvcached_vllm.pool.ElasticBlockPool` when a context is active. The
+:class:`~kvcached_vllm.block_pool.ElasticBlockPool` when a context is active. The
 workers set their KV cache up before the scheduler is built: when none of them
 serves its pages (each says why in its log), the engine runs with vLLM's own
 pool; ``KVCACHED_STRICT=1`` refuses to start instead. With async scheduling
@@ -255,7 +255,7 @@ def make_block_pool(original: type, pool_class: type | None = None) -> Any:
         if rt is None:
             return original(*args, **kwargs)
         pending.runtime = rt
-        from kvcached_vllm.pool import ElasticBlockPool
+        from kvcached_vllm.block_pool import ElasticBlockPool
 
         block_pool = (pool_class or ElasticBlockPool)(
             *args, block_manager=rt.pool.blocks, max_cached_blocks=rt.max_cached_blocks, **kwargs)

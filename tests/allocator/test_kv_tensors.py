@@ -72,7 +72,7 @@ def test_per_layer_map_write_read_unmap():
             assert torch.all(buf[3 * PAGE // 4 : 3 * PAGE // 4 + 256] == -1)
     kv.unmap_pages([1])
     assert kv.mapper.stats().mapped_pages == 6 and not kv.is_mapped(1)
-    kv.map_pages([1])  # the pooled handles come back: no new ones
+    kv.map_pages([1])  # the spare handles come back: no new ones
     assert kv.mapper.stats().mapped_pages == 12 and kv.mapper.stats().handles_created == 12
 
 

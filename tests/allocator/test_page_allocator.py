@@ -49,7 +49,7 @@ def test_reserve_first_then_lowest_free(make_stack):
         pa.alloc_pages(-1)
 
 
-def test_unmapped_handles_are_pooled_up_to_the_reserve_size(make_stack):
+def test_unmapped_handles_are_kept_spare_up_to_the_reserve_size(make_stack):
     s = make_stack(block_bytes=None, max_reserved=1)
     pa = s.pages
     pa.free_pages(pa.alloc_pages(8))

@@ -73,7 +73,7 @@ def test_a_child_that_drops_inherited_tensors_releases_nothing_of_the_parents():
 
     def child() -> bool:
         nonlocal mapper, vt
-        del mapper, vt  # would unmap page 0 and punch the holes of its slot and the pooled one
+        del mapper, vt  # would unmap page 0 and punch the holes of its slot and the spare one
         import gc
 
         gc.collect()

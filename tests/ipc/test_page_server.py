@@ -106,12 +106,12 @@ def test_a_page_request_carrying_text_is_answered_natively(served):
     assert served.server.served == 2
 
 
-def test_meminfo_reports_the_device_and_the_pooled_handles(served):
+def test_meminfo_reports_the_device_and_the_spare_handles(served):
     with WorkerGroup([served.path], timeout=10, connect_timeout=10) as group:
         group.map(0, [1])
-        group.unmap(0, [1])  # pool_keep 0: the server trims the pool after an unmap
-        [(free, total, pooled)] = group.meminfo(0)
-        assert 0 < free <= total and pooled == 0
+        group.unmap(0, [1])  # pool_keep 0: the server trims the spare handles after an unmap
+        [(free, total, spare)] = group.meminfo(0)
+        assert 0 < free <= total and spare == 0
         served.mapper.set_pool_limit(100)
         served.mapper.map([served.b], [2])
         served.mapper.unmap([served.b], [2])

@@ -14,10 +14,14 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))  # tests/vllm helpers
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "vllm"))  # tests/vllm helpers
+# kvcached_testing, after site-packages: kvcached itself must come from the installed wheels.
+sys.path.append(str(REPO))
 
 from conftest import engine, greedy, long_prompts, token_ids  # noqa: E402
-from tiny_model import build_tiny_llama  # noqa: E402
+
+from kvcached_testing.tiny_model import build_tiny_llama  # noqa: E402
 
 NUM_LAYERS = 2
 PAGE = 2 << 20

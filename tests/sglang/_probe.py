@@ -292,7 +292,7 @@ def check_swa() -> dict[str, Any]:
     """The sliding-window hybrid pool: both of its MHA pools and both sub-allocators on kvcached."""
     import torch
 
-    from kvcached_sglang.pool import elastic_of
+    from kvcached_sglang.memory_pool import elastic_of
 
     pool_cls = _find("SWAKVPool", (f"{_MC}.swa_memory_pool", f"{_MC}.memory_pool"))
     alloc_cls = _find("SWATokenToKVPoolAllocator",
@@ -342,7 +342,7 @@ def check_hybrid_linear() -> dict[str, Any]:
     per-request state pool stays SGLang's)."""
     import torch
 
-    from kvcached_sglang.pool import elastic_of
+    from kvcached_sglang.memory_pool import elastic_of
 
     try:
         pool_cls = _find("HybridLinearKVPool", (f"{_MC}.memory_pool",))

@@ -1,13 +1,9 @@
 """Fixtures for the SGLang adapter tests.
 
-Each SGLang release lives in its own target directory, ``.sglang/<version>``
-(``scripts/setup_sglang.sh``), beside the shared light packages in
-``.sglang/_common``. Nothing is installed into the main venv: tests that need a
-release run it in a subprocess whose ``PYTHONPATH`` holds the shims
-(``tests/sglang/shims``), a generated ``kvcached-sglang`` distribution record
-(so entry points are discovered exactly as after ``pip install``), the adapter
-source, the release and the common packages. A release that is not installed
-skips with the command that installs it.
+Tests that need a release run it in a subprocess whose environment
+``kvcached_testing.sglang_release`` builds (the release from ``.sglang/<version>``,
+the shims, a generated ``kvcached-sglang`` distribution record, the adapter
+source). A release that is not installed skips with the command that installs it.
 """
 
 from __future__ import annotations
@@ -17,16 +13,14 @@ import os
 import signal
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SGLANG_DIR = ROOT / ".sglang"
-SHIMS = Path(__file__).resolve().parent / "shims"
-ADAPTER_SRC = ROOT / "kvcached_sglang"
+from kvcached_testing.sglang_release import (ADAPTER_SRC, ROOT, release_env, release_installed,
+                                             write_dist_record)
+
 PROBE = Path(__file__).resolve().parent / "_probe.py"
 if str(ADAPTER_SRC) not in sys.path:
     sys.path.insert(0, str(ADAPTER_SRC))  # the adapter's package imports without SGLang
@@ -37,48 +31,15 @@ from kvcached_sglang import COVERED_RELEASES  # noqa: E402
 RELEASES = COVERED_RELEASES
 
 
-def release_installed(version: str) -> bool:
-    return (SGLANG_DIR / version / ".done").is_file() and (SGLANG_DIR / "_common" / ".done").is_file()
-
-
 def skip_unless_installed(version: str) -> None:
     if not release_installed(version):
         pytest.skip(f"SGLang {version} is not installed in .sglang/{version}; "
                     f"run scripts/setup_sglang.sh {version}")
 
 
-def write_dist_record(dest: Path) -> Path:
-    """A ``kvcached_sglang-<v>.dist-info`` with the entry points from the adapter's pyproject."""
-    meta = tomllib.loads((ADAPTER_SRC / "pyproject.toml").read_text())["project"]
-    info = dest / f"kvcached_sglang-{meta['version']}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n")
-    lines = []
-    for group, eps in meta["entry-points"].items():
-        lines.append(f"[{group}]")
-        lines += [f"{name} = {value}" for name, value in eps.items()]
-        lines.append("")
-    (info / "entry_points.txt").write_text("\n".join(lines))
-    return dest
-
-
 @pytest.fixture(scope="session")
 def dist_record(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_dist_record(tmp_path_factory.mktemp("kvcached_sglang_dist"))
-
-
-def release_env(version: str | None, dist_dir: Path, **extra: str) -> dict[str, str]:
-    """Environment for a subprocess that runs SGLang ``version`` (None: no SGLang)."""
-    paths = [str(SHIMS), str(dist_dir), str(ADAPTER_SRC), str(ROOT)]
-    if version is not None:
-        paths += [str(SGLANG_DIR / version), str(SGLANG_DIR / "_common")]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KVCACHED_", "SGLANG_")) and k != "PYTHONPATH"}
-    env.update(PYTHONPATH=os.pathsep.join(paths), SGLANG_USE_CPU_ENGINE="1",
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.update(extra)
-    return env
 
 
 def run_engine_process(command: list[str], env: dict[str, str], cwd: Path,

@@ -7,7 +7,7 @@ nothing SGLang computes; it only observes, through class attributes:
 
 * ``ReqToTokenPool.__init__``: writes ``<dir>/scheduler.pid`` (the process that owns the
   KV pools, for RSS sampling; works with and without kvcached);
-* ``kvcached_sglang.pool.ElasticKV.__init__``: starts a daemon thread that writes the
+* ``kvcached_sglang.memory_pool.ElasticKV.__init__``: starts a daemon thread that writes the
   pool's own counters (pages in use / reserved / mapped, tokens held) to
   ``<dir>/stats.json`` every 50 ms;
 * ``kvcached_sglang.profile.LAST_PROFILE``: the memory profile kvcached took (in the same
@@ -139,10 +139,10 @@ def _wrap_req_free(free):
 
 def _patch_elastic() -> None:
     try:
-        from kvcached_sglang import pool as kpool
+        from kvcached_sglang import memory_pool
     except ImportError:
         return
-    cls = kpool.ElasticKV
+    cls = memory_pool.ElasticKV
     if getattr(cls, "__e2e_probe__", False):
         return
     cls.__init__ = _wrap_elastic_init(cls.__init__)
@@ -181,7 +181,7 @@ def kvcached_extra_patches(engine, version):
         return None
     from kvcached_core.plugins.patching import Patch
 
-    pool, sglang_pool = "kvcached_sglang.pool:ElasticKV", \
+    pool, sglang_pool = "kvcached_sglang.memory_pool:ElasticKV", \
         "sglang.srt.mem_cache.memory_pool:ReqToTokenPool"
     return [
         Patch(f"{pool}.__init__", wrapper=_wrap_elastic_init, name="e2e-probe-pool-init"),

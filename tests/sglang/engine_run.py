@@ -4,7 +4,7 @@ Runs in a subprocess set up by ``test_engine_e2e.py`` (the release, the shims an
 dist records on ``PYTHONPATH``, as ``conftest.release_env`` builds it):
 
 ``engine_run.py build <dir>``
-    writes the tiny random-weight Llama of ``tests/vllm/tiny_model.py`` to ``<dir>``.
+    writes the tiny random-weight Llama of ``kvcached_testing/tiny_model.py`` to ``<dir>``.
 ``engine_run.py serve <model> <workdir> [--leak]``
     starts ``sglang.Engine`` (``device="cpu"``, ``torch_native`` attention, no CUDA
     graphs, page size 1, token ids in and out), then
@@ -42,8 +42,7 @@ SAMPLE_S = 0.05
 
 
 def build(out: str) -> None:
-    sys.path.insert(0, str(HERE.parent / "vllm"))
-    from tiny_model import build_tiny_llama
+    from kvcached_testing.tiny_model import build_tiny_llama  # the repository root is on the path
 
     print(build_tiny_llama(out))
 

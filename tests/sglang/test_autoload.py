@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.conftest import ADAPTER_SRC, release_env
+from kvcached_testing.sglang_release import ADAPTER_SRC, release_env
 
 CHILD = r"""
 import json, site, sys

@@ -9,7 +9,8 @@ import sys
 import pytest
 from packaging.version import Version
 
-from tests.sglang.conftest import ROOT, release_env, skip_unless_installed
+from kvcached_testing.sglang_release import ROOT, release_env
+from tests.sglang.conftest import skip_unless_installed
 from tests.sglang.test_releases import EXPECTED_LAYOUT, EXPECTED_MLA_PATCH
 
 #: One release per leak-check layout.

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.conftest import (SGLANG_DIR, release_env, run_engine_process,
-                                   skip_unless_installed, write_dist_record)
+from kvcached_testing.sglang_release import SGLANG_DIR, release_env, write_dist_record
+from tests.sglang.conftest import run_engine_process, skip_unless_installed
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "engine_run.py"
@@ -70,7 +70,7 @@ def _run(version: str, dist: Path, args: list[str], **env: str) -> subprocess.Co
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``tests/vllm/tiny_model.py``'s Llama, built with an installed release's transformers."""
+    """``kvcached_testing/tiny_model.py``'s Llama, built with an installed release's transformers."""
     version = next((v for v in RELEASES if (SGLANG_DIR / v / ".done").is_file()), None)
     if version is None:
         pytest.skip("no SGLang release installed; run scripts/setup_sglang.sh "

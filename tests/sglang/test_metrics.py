@@ -22,13 +22,8 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from tests.sglang.conftest import (
-    ADAPTER_SRC,
-    RELEASES,
-    SGLANG_DIR,
-    release_env,
-    skip_unless_installed,
-)
+from kvcached_testing.sglang_release import ADAPTER_SRC, SGLANG_DIR, release_env
+from tests.sglang.conftest import RELEASES, skip_unless_installed
 
 PROBE = Path(__file__).resolve().parent / "_metrics_probe.py"
 HTTP_DEPS = SGLANG_DIR / "_http"
@@ -281,9 +276,8 @@ def test_launch_server_metrics_endpoint_shows_kvcached_pool(dist_record, tmp_pat
     env["PYTHONPATH"] += os.pathsep + str(HTTP_DEPS)
     model = tmp_path / "tiny-llama"
     build = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-         "from tiny_model import build_tiny_llama; build_tiny_llama(sys.argv[2])",
-         str(Path(__file__).resolve().parents[1] / "vllm"), str(model)],
+        [sys.executable, "-c", "import sys; from kvcached_testing.tiny_model import "
+         "build_tiny_llama; build_tiny_llama(sys.argv[1])", str(model)],
         env=env, capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.conftest import (ADAPTER_SRC, ROOT, SGLANG_DIR, SHIMS, run_engine_process,
-                                   skip_unless_installed)
+from kvcached_testing.sglang_release import ADAPTER_SRC, ROOT, SGLANG_DIR, SHIMS
+from tests.sglang.conftest import run_engine_process, skip_unless_installed
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "engine_run.py"

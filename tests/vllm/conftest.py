@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import gc
 import os
-import random
-import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_model import PROMPTS, build_tiny_llama  # noqa: E402
+from kvcached_testing.tiny_model import PROMPTS, build_tiny_llama
+from kvcached_testing.vllm_cpu import long_prompts
 
 ENGINE_KW = dict(dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=True,
                  enable_prefix_caching=True, max_num_seqs=16)
@@ -99,12 +96,6 @@ def engine(model: Path, *, enabled: bool, namespace: str | None = None,
             llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-
-
-def long_prompts(n: int, length: int, seed: int = 0) -> list[dict]:
-    """``n`` distinct token-id prompts of ``length`` tokens (no shared prefix)."""
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]} for _ in range(n)]
 
 
 def greedy(max_tokens: int):

@@ -91,7 +91,7 @@ def test_unsupported_version_runs_vanilla_and_strict_refuses():
 
 def _pool(num_blocks: int = 32 * 8, limit: int | None = None, max_cached: int | None = None,
           caching: bool = True):
-    from kvcached_vllm.pool import ElasticBlockPool
+    from kvcached_vllm.block_pool import ElasticBlockPool
 
     layout = KVLayout(num_layers=2, buffer_bytes=num_blocks * BLOCK, page_size=PAGE, num_buffers=1)
     pages = PageAllocator(KVTensors.open("cpu", layout), prealloc=False, idle_trim_s=0,

@@ -115,7 +115,7 @@ if version >= Version("0.34.0.dev0"):
     ps.revert()
 
     from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
-    from kvcached_vllm.pool034 import ElasticBlockPool034
+    from kvcached_vllm.block_pool034 import ElasticBlockPool034
 
     def pool():
         layout = KVLayout(num_layers=2, buffer_bytes=256 * (64 << 10), page_size=2 << 20,

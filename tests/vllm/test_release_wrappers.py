@@ -17,16 +17,13 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from conftest import env  # noqa: E402
 
+from kvcached_testing.vllm_cpu import kv_cache_config  # noqa: E402
+
 BLOCK = 64 << 10
 
 
 def _config(num_blocks: int = 64, layers: int = 2):
-    size = num_blocks * BLOCK
-    return SimpleNamespace(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[SimpleNamespace(size=layers * size, layers=[f"l{i}" for i in range(layers)],
-                                          layer_stride=size, block_stride=BLOCK, offset=0)],
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))])
+    return kv_cache_config(num_blocks, block_bytes=BLOCK, layers=layers, block_size=16)
 
 
 def _groups(*names: str):
@@ -174,7 +171,7 @@ def _pool034(num_blocks: int = 32 * 8, max_cached: int | None = None):
     import weakref
 
     from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
-    from kvcached_vllm.pool034 import ElasticBlockPool034
+    from kvcached_vllm.block_pool034 import ElasticBlockPool034
 
     layout = KVLayout(num_layers=2, buffer_bytes=num_blocks * BLOCK, page_size=PAGE, num_buffers=1)
     pages = PageAllocator(KVTensors.open("cpu", layout), prealloc=False, idle_trim_s=0,

@@ -1,23 +1,21 @@
 """Two real vLLM engines on the CPU sharing one device budget.
 
-One run of ``benchmarks/bench_vllm_share.py``'s scenario (two engine starts):
-A idles holding a large prefix cache; B's burst needs more than the budget
-leaves it. B misses, A gives its cached pages back, and B's burst completes
-without a preemption while the budget is never exceeded. Then a ``kvctl``
-limit reaches idle B within 200 ms and lifting it restores growth.
+One run (two engine starts) of ``kvcached_testing.shared_budget``'s scenario, the one
+``benchmarks/bench_vllm_share.py`` records: A idles holding a large prefix cache; B's
+burst needs more than the budget leaves it. B misses, A gives its cached pages back,
+and B's burst completes without a preemption while the budget is never exceeded. Then
+a ``kvctl`` limit reaches idle B within 200 ms and lifting it restores growth.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_vllm_share import BUNDLE, run_share  # noqa: E402
+from kvcached_testing.shared_budget import BUNDLE, run_share  # noqa: E402
 
 pytestmark = pytest.mark.engine
 

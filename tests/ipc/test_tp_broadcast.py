@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 from kvcached_core.errors import WorkerError  # noqa: E402
 from kvcached_core.ipc import WorkerGroup  # noqa: E402
-from tests.tp.tp_worker import GROUP, TPWorkers, expected, start_workers  # noqa: E402
+from kvcached_testing.tp_worker import GROUP, TPWorkers, expected, start_workers  # noqa: E402
 
 TIMEOUT_S = 2.0  # per broadcast: a dead worker must be reported well within 3 s
 PAGES = [0, 1, 2, 5, 17, 40, 63]

@@ -2,7 +2,7 @@
 
 The GPU backends build without any GPU header: csrc/driver_api/cuda_driver.h
 and hip_runtime.h declare what they call. These tests compile
-tests/core/driver_abi_check.cpp, whose static_asserts compare every enum value
+tests/backends/driver_abi_check.cpp, whose static_asserts compare every enum value
 and underlying type, struct size, alignment and field offset, function type and
 ABI symbol name with the real cuda.h / hip/hip_runtime_api.h, wherever the real
 header and a C++ compiler exist (skipped, saying which is missing, otherwise).

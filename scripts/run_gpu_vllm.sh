@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # kvcached inside a real vLLM on one NVIDIA GPU (H100/H200: the bundle's kernels are sm_90).
-# Run from the repository root on the GPU machine, the offline vLLM bundle copied into the
-# checkout's ignored .gpu-vllm/ folder (cp ../shared/gpu-vllm/*.tar.xz .gpu-vllm/):
-#     OUT=/tmp/out bash benchmarks/run_gpu_vllm.sh tests tokens perf
-#     OUT=/tmp/out bash benchmarks/run_gpu_vllm.sh perf:throughput tokens:v2-graphs
+# Run on the GPU machine, the offline vLLM bundle copied into the checkout's ignored .gpu-vllm/
+# folder (cp ../shared/gpu-vllm/*.tar.xz .gpu-vllm/); relative paths are the repository root's:
+#     OUT=/tmp/out bash scripts/run_gpu_vllm.sh tests tokens perf
+#     OUT=/tmp/out bash scripts/run_gpu_vllm.sh perf:throughput tokens:v2-graphs
 # Steps (each once per machine): unpack vLLM 0.26.0 to /tmp/site, build kvcached-core in
 # place, install kvcached-vllm (its entry points) beside vLLM. Then, in order:
-#   tests    the GPU tests (tests/gpu, tests/ipc/test_remote.py, gpu-marked allocator tests)
+#   tests    the GPU tests (tests/backends, tests/core, tests/ipc/test_remote.py, gpu-marked
+#            allocator and IPC tests)
 #   tokens   benchmarks/bench_vllm_gpu.py tokens -> $OUT/vllm-gpu-tokens.json
 #   perf     benchmarks/bench_vllm_gpu.py perf   -> $OUT/vllm-gpu-perf.json
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
@@ -14,6 +15,7 @@
 # "--variant held:KVCACHED_IDLE_TRIM_S=0 --stacks $OUT/stacks" to compare settings and see where
 # each engine's Python threads spend their time: $OUT/stacks.tgz).
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu-run}
 BUDGET=${BUDGET:-540}
 BUNDLE=${BUNDLE:-$(ls .gpu-vllm/vllm-*-sm90-site.tar.xz 2>/dev/null | head -1)}
@@ -53,9 +55,9 @@ status=0
 for phase in "$@"; do
   case $phase in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/ipc/test_remote.py \
+      python3 -m pytest -q -p no:cacheprovider -rs tests/backends tests/ipc/test_remote.py \
         tests/core 2>&1 | tee "$OUT/tests.log" | tail -5 || status=1
-      python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/allocator tests/tp 2>&1 \
+      python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/allocator tests/ipc 2>&1 \
         | tee -a "$OUT/tests.log" | tail -3 || status=1 ;;
     tokens*|perf*)  # tokens:v2-graphs,batch-invariant runs only those parts
       name=${phase%%:*}; parts=(); [ "$name" != "$phase" ] && IFS=, read -ra parts <<< "${phase#*:}"

@@ -1,7 +1,7 @@
 """A tensor-parallel worker process: elastic K/V tensors on one device, served over IPC.
 
-Used by ``tests/tp`` and ``benchmarks/bench_tp_broadcast.py``. Each worker
-(spawned, like an engine's GPU worker) opens a page mapper on its device,
+Used by ``tests/ipc/test_tp_broadcast.py`` and ``benchmarks/bench_tp_broadcast.py``. Each
+worker (spawned, like an engine's GPU worker) opens a page mapper on its device,
 reserves the virtual K and V tensors of :data:`LAYERS` layers and serves a
 :class:`~kvcached_core.ipc.WorkerListener` whose :class:`MapperHandler` maps
 and unmaps pages of KV group :data:`GROUP` in all of them. Rank ``r`` runs on

@@ -1,4 +1,5 @@
-"""Start-up hook for the SGLang test environment (on PYTHONPATH only in tests/sglang).
+"""Start-up hook for the SGLang test environment (on PYTHONPATH only where
+``kvcached_testing.sglang_release`` runs a release: tests/sglang, benchmarks/bench_vllm_share.py).
 
 Every interpreter, spawned engine processes included, runs this at start-up. It only installs
 import shims for modules that cannot exist on a CPU-only machine; see README.md.

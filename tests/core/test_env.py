@@ -30,7 +30,9 @@ def test_env_bool_spellings(monkeypatch: pytest.MonkeyPatch, raw: str, expected:
 def test_env_bool_unset_or_blank_gives_default(
     monkeypatch: pytest.MonkeyPatch, raw: str | None
 ) -> None:
-    if raw is not None:
+    if raw is None:
+        monkeypatch.delenv("KVCACHED_ENABLED", raising=False)
+    else:
         monkeypatch.setenv("KVCACHED_ENABLED", raw)
     assert env_bool("KVCACHED_ENABLED", True) is True
     assert env_bool("KVCACHED_ENABLED", False) is False

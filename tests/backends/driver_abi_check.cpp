@@ -1,5 +1,5 @@
 // Compile-time check of csrc/driver_api/*.h against a real driver header.
-// tests/core/test_driver_abi.py compiles this with -fsyntax-only and one of
+// tests/backends/test_driver_abi.py compiles this with -fsyntax-only and one of
 //   -DKVCACHED_CHECK_CUDA   (needs cuda.h on the include path)
 //   -DKVCACHED_CHECK_HIP    (needs hip/hip_runtime_api.h)
 // Every static_assert names what differs. A clean compile means: each enum

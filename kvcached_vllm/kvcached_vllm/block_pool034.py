@@ -13,7 +13,7 @@ vLLM 0.34 changed two things :meth:`ElasticBlockPool.free_blocks` relies on:
   other cached blocks. kvcached evicts by page, so their pages move to the
   front of the queue's page order (least recently used first).
 
-Everything else is :class:`~kvcached_vllm.pool.ElasticBlockPool`'s.
+Everything else is :class:`~kvcached_vllm.block_pool.ElasticBlockPool`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvcached_vllm.pool import ElasticBlockPool
+from kvcached_vllm.block_pool import ElasticBlockPool
 
 __all__ = ["ElasticBlockPool034"]
 
