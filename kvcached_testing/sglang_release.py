@@ -15,13 +15,14 @@ import os
 import tomllib
 from pathlib import Path
 
-__all__ = ["ADAPTER_SRC", "ROOT", "SGLANG_DIR", "SHIMS", "release_env", "release_installed",
+__all__ = ["ADAPTER_DIST", "ADAPTER_SRC", "ROOT", "SGLANG_DIR", "SHIMS", "release_env", "release_installed",
            "write_dist_record"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_DIR = ROOT / ".sglang"
 SHIMS = Path(__file__).resolve().parent / "sglang_shims"
-ADAPTER_SRC = ROOT / "kvcached_sglang"
+ADAPTER_DIST = ROOT / "kvcached_sglang"  # the distribution: pyproject.toml, the .pth line
+ADAPTER_SRC = ADAPTER_DIST / "src"  # what goes on sys.path: the kvcached_sglang package
 
 
 def release_installed(version: str) -> bool:
@@ -30,7 +31,7 @@ def release_installed(version: str) -> bool:
 
 def write_dist_record(dest: Path) -> Path:
     """A ``kvcached_sglang-<v>.dist-info`` with the entry points from the adapter's pyproject."""
-    meta = tomllib.loads((ADAPTER_SRC / "pyproject.toml").read_text())["project"]
+    meta = tomllib.loads((ADAPTER_DIST / "pyproject.toml").read_text())["project"]
     info = dest / f"kvcached_sglang-{meta['version']}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(

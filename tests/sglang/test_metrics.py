@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from kvcached_testing.sglang_release import ADAPTER_SRC, SGLANG_DIR, release_env
+from kvcached_testing.sglang_release import ADAPTER_DIST, SGLANG_DIR, release_env
 from tests.sglang.conftest import RELEASES, skip_unless_installed
 
 PROBE = Path(__file__).resolve().parent / "_metrics_probe.py"
@@ -52,7 +52,7 @@ def _report(version: str, order: str, dist_record: Path, tmp_path_factory) -> di
         site_dir = tmp / "site"
         site_dir.mkdir()
         (site_dir / "kvcached_sglang_autoload.pth").write_text(
-            (ADAPTER_SRC / "kvcached_sglang_autoload.pth").read_text())
+            (ADAPTER_DIST / "kvcached_sglang_autoload.pth").read_text())
         shm = tmp / "shm"
         shm.mkdir(mode=0o700)
         env = release_env(version, dist_record, KVCACHED_SHM_DIR=str(shm),

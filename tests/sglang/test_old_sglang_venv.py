@@ -41,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from kvcached_testing.sglang_release import ADAPTER_SRC, ROOT, SGLANG_DIR, SHIMS
+from kvcached_testing.sglang_release import ADAPTER_DIST, ROOT, SGLANG_DIR, SHIMS
 from tests.sglang.conftest import run_engine_process, skip_unless_installed
 
 HERE = Path(__file__).resolve().parent
@@ -96,7 +96,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             f"kvcached_core-*-{tag}-{tag}-manylinux*_x86_64.whl", "kvcached_sglang-*.whl")]
     else:  # the adapter's wheel, built from a copy of its source (nothing lands in the checkout)
         src = top / "src" / "kvcached_sglang"
-        shutil.copytree(ADAPTER_SRC, src, ignore=shutil.ignore_patterns(
+        shutil.copytree(ADAPTER_DIST, src, ignore=shutil.ignore_patterns(
             "__pycache__", "build", "*.egg-info"))
         _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", str(src),
              "-w", str(top / "wheels"))
@@ -162,7 +162,7 @@ def engine_run(venv):
 
 def test_pip_put_the_autoload_pth_into_the_venv_site_packages(venv):
     site = venv["site"]
-    assert (site / PTH).read_text() == (ADAPTER_SRC / PTH).read_text()
+    assert (site / PTH).read_text() == (ADAPTER_DIST / PTH).read_text()
     (info,) = site.glob("kvcached_sglang-*.dist-info")
     assert PTH in (info / "RECORD").read_text()  # pip installed it (and would uninstall it)
     assert (info / "INSTALLER").read_text().strip() == "pip"

@@ -140,7 +140,7 @@ print("RESULT " + json.dumps(out))
 def test_release_code_runs_with_kvcached(release, tmp_path):
     if release is None:
         pytest.skip("no importable vLLM release: IMPORTABLE=1 scripts/fetch_vllm_sources.sh 0.34.0")
-    path = os.pathsep.join([str(SOURCES / f"{release}-py"), str(ROOT), str(ROOT / "kvcached_vllm")])
+    path = os.pathsep.join([str(SOURCES / f"{release}-py"), str(ROOT), str(ROOT / "kvcached_vllm" / "src")])
     env = {**os.environ, "PYTHONPATH": path, "KVCACHED_IPC_NAME": f"imp-{tmp_path.name}"[:40]}
     proc = subprocess.run([sys.executable, "-c", _CHECK, release], capture_output=True, text=True,
                           timeout=600, env=env, cwd=tmp_path)

@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ROOT / ".vllm-src"
-sys.path.insert(0, str(ROOT / "kvcached_vllm"))  # the adapter imports without vLLM
+sys.path.insert(0, str(ROOT / "kvcached_vllm" / "src"))  # the adapter imports without vLLM
 
 from kvcached_core.plugins.patching import parse_target  # noqa: E402
 from kvcached_vllm import COVERED_RELEASES, SUPPORTED_VERSIONS  # noqa: E402
