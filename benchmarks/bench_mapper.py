@@ -10,8 +10,13 @@ Python (what an engine adapter pays) and inside C++ (the mapper's own cost):
   shrink         kvcached unmap (handle kept as a spare)        vs raw unmap
   shrink+release kvcached unmap keeping no spares (pool limit 0) vs raw unmap+release
 Also: reservation time of the virtual KV tensors of a 32-layer model
-(per-layer K and V buffers), and on GPUs the read bandwidth of a kernel over
-elastic memory against plain cudaMalloc memory.
+(per-layer K and V buffers). On GPUs, elastic memory against plain cudaMalloc
+memory: the read bandwidth of a kernel streaming over it, and of a gather of
+random blocks (a paged-attention read: many pages touched at once, so the
+GPU's address translation is exercised). And whether page traffic slows the
+GPU's other work: a launch-bound loop of small kernels and a compute-bound
+loop of matmuls, each timed alone and while another thread maps and unmaps
+pages (without and with the device synchronisation an engine's unmap does).
 
 Results go to benchmarks/results/mapper-<backend>.json with the command line.
 """
@@ -168,6 +173,122 @@ def bench_bandwidth(device: str, nbytes: int, iters: int) -> dict:
     return result
 
 
+def bench_gather(device: str, nbytes: int, block_bytes: int, blocks: int, iters: int) -> dict:
+    """Read bandwidth of gathering ``blocks`` random ``block_bytes`` blocks (elastic vs plain)."""
+    import torch
+
+    mapper = open_mapper(device, PAGE)
+    vt = mapper.reserve(nbytes)
+    mapper.map([vt], list(range(nbytes // PAGE)))
+    elastic = as_tensor(vt, torch.float16).view(-1, block_bytes // 2)
+    plain = torch.empty_like(elastic)
+    elastic.uniform_()
+    plain.copy_(elastic)
+    gen = torch.Generator(device=device).manual_seed(0)
+    index = torch.randint(elastic.shape[0], (blocks,), device=device, generator=gen)
+    out = torch.empty(blocks, block_bytes // 2, dtype=torch.float16, device=device)
+
+    def gbps(t):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.index_select(t, 0, index, out=out)
+        samples = []
+        for _ in range(iters):
+            start.record()
+            torch.index_select(t, 0, index, out=out)
+            end.record()
+            end.synchronize()
+            samples.append(blocks * block_bytes / (start.elapsed_time(end) / 1e3) / 1e9)
+        return samples
+
+    el, pl = [], []
+    for _ in range(5):  # interleaved, as bench_bandwidth
+        el += gbps(elastic)
+        pl += gbps(plain)
+    result = {"bytes": nbytes, "block_bytes": block_bytes, "blocks_per_gather": blocks,
+              "elastic_GBps": round(median(el), 1), "plain_GBps": round(median(pl), 1),
+              "ratio": round(median(el) / median(pl), 4)}
+    del elastic, plain, out
+    mapper.unmap([vt], list(range(nbytes // PAGE)))
+    return result
+
+
+def bench_interference(device: str, pages: int, reps: int) -> dict:
+    """GPU work timed alone and while another thread maps and unmaps pages.
+
+    ``launch``: 2000 in-place adds on a 1 MiB tensor (bound by kernel launches, as
+    a small model's decode step); ``compute``: 40 matmuls of 4096^2 (bound by the
+    GPU). Each is timed by wall clock to the end of its work, in rounds that rotate
+    the page traffic: none, map/unmap batches of 16 pages without a device
+    synchronisation, and with one before each unmap (what an engine's page thread
+    does). Ratios are medians over ``reps`` rounds against the quiet runs.
+    """
+    import threading
+
+    import torch
+
+    mapper = open_mapper(device, PAGE)
+    vt = mapper.reserve(pages * PAGE)
+    small = torch.zeros(1 << 18, device=device)
+    a = torch.randn(4096, 4096, device=device, dtype=torch.float16)
+    b = torch.randn(4096, 4096, device=device, dtype=torch.float16)
+
+    def launch():
+        for _ in range(2000):
+            small.add_(1.0)
+
+    def compute():
+        for _ in range(40):
+            torch.mm(a, b)
+
+    stop = threading.Event()
+    calls = [0]
+
+    def traffic(sync: bool):
+        batches = [list(range(i, i + 16)) for i in range(0, pages - 15, 16)]
+        while not stop.is_set():
+            for batch in batches:
+                mapper.map([vt], batch)
+                mapper.unmap([vt], batch, synchronize=sync)
+                calls[0] += 2 * len(batch)
+                if stop.is_set():
+                    break
+
+    def timed(work, mode):
+        stop.clear()
+        thread = None
+        if mode != "quiet":
+            thread = threading.Thread(target=traffic, args=(mode == "synced",), daemon=True)
+            thread.start()
+            time.sleep(0.01)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        work()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        stop.set()
+        if thread is not None:
+            thread.join()
+        return seconds
+
+    modes = ("quiet", "unsynced", "synced")
+    result = {"pages": pages, "reps": reps}
+    for name, work in (("launch", launch), ("compute", compute)):
+        work()
+        torch.cuda.synchronize()
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        calls[0] = 0
+        for r in range(reps):
+            for k in range(len(modes)):
+                mode = modes[(r + k) % len(modes)]
+                times[mode].append(timed(work, mode))
+        quiet = median(times["quiet"])
+        result[name] = {"quiet_ms": round(quiet * 1e3, 3),
+                        **{f"{m}_ratio": round(median(times[m]) / quiet, 4) for m in modes[1:]},
+                        "page_calls_during": calls[0]}
+    mapper.trim_pool(0)
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -202,6 +323,10 @@ def main(argv=None) -> int:
     result["reserve_32_layers"] = bench_reservation(args.device, 32, 2 << 30, 10)
     if dev.is_gpu:
         result["read_bandwidth"] = bench_bandwidth(dev.torch_device, args.bandwidth_gib << 30, 20)
+        result["gather_bandwidth"] = [
+            bench_gather(dev.torch_device, args.bandwidth_gib << 30, block, 32768, 20)
+            for block in (32 << 10, 4 << 10)]
+        result["interference"] = bench_interference(dev.torch_device, 256, 15)
 
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"mapper-{dev.backend}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,6 +342,10 @@ def main(argv=None) -> int:
     if "read_bandwidth" in result:
         bw = result["read_bandwidth"]
         print(f"read bandwidth elastic {bw['elastic_GBps']} GB/s, plain {bw['plain_GBps']} GB/s, ratio {bw['ratio']}")
+        for g in result["gather_bandwidth"]:
+            print(f"gather of {g['block_bytes']} B blocks: elastic {g['elastic_GBps']} GB/s, "
+                  f"plain {g['plain_GBps']} GB/s, ratio {g['ratio']}")
+        print(f"GPU work during page traffic: {result['interference']}")
     print(f"wrote {out}")
     return 0
 
