@@ -216,8 +216,9 @@ def bench_interference(device: str, pages: int, reps: int) -> dict:
     """GPU work timed alone and while another thread maps and unmaps pages.
 
     ``launch``: 2000 in-place adds on a 1 MiB tensor (bound by kernel launches, as
-    a small model's decode step); ``compute``: 40 matmuls of 4096^2 (bound by the
-    GPU). Each is timed by wall clock to the end of its work, in rounds that rotate
+    a small model's decode step in eager mode); ``graph``: the same adds as 10
+    replays of a captured CUDA graph of 200 (as with CUDA graphs); ``compute``: 40
+    matmuls of 4096^2 (bound by the GPU). Each is timed by wall clock to the end of its work, in rounds that rotate
     the page traffic: none, map/unmap batches of 16 pages without a device
     synchronisation, and with one before each unmap (what an engine's page thread
     does). Ratios are medians over ``reps`` rounds against the quiet runs.
@@ -239,6 +240,21 @@ def bench_interference(device: str, pages: int, reps: int) -> dict:
     def compute():
         for _ in range(40):
             torch.mm(a, b)
+
+    # A CUDA graph of 200 such adds, replayed: how an engine's decode steps launch.
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        small.add_(1.0)  # warm-up outside the capture, as torch asks
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for _ in range(200):
+            small.add_(1.0)
+
+    def replay():
+        for _ in range(10):
+            graph.replay()
 
     stop = threading.Event()
     calls = [0]
@@ -272,7 +288,7 @@ def bench_interference(device: str, pages: int, reps: int) -> dict:
 
     modes = ("quiet", "unsynced", "synced")
     result = {"pages": pages, "reps": reps}
-    for name, work in (("launch", launch), ("compute", compute)):
+    for name, work in (("launch", launch), ("graph", replay), ("compute", compute)):
         work()
         torch.cuda.synchronize()
         times: dict[str, list[float]] = {m: [] for m in modes}

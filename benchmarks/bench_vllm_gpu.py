@@ -38,7 +38,8 @@ prefix caching is on; prompts are token ids.
     that cache, so all of them start alike (an engine that compiled its own
     graphs ran a few percent slower than one that loaded them; the control
     ratio showed it): ``init_ratio_kvcached_vs_control`` is kvcached's start
-    time over the control's. Memory: NVML per process,
+    time over the control's. Page calls: each kvcached engine's map and unmap calls as
+    its pools timed them (calls, 2 MiB handles, seconds). Memory: NVML per process,
     sampled every 50 ms throughout, shows the kvcached engine growing under
     each round and falling back after it. Shared device: two kvcached engines
     whose KV budgets (80 GiB each) could not both be pinned, and a third
@@ -504,6 +505,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             log(f"throughput rep {r}:", {n: round(rounds[n][-1]["generated"] /
                                                rounds[n][-1]["seconds"]) for n in order})
         preemptions = {n: e.call("metrics").get("preemptions") for n, e in engines.items()}
+        page_calls = {n: page_call_totals(e.ns) for n, e in engines.items() if e.enabled}
         time.sleep(3.0)  # after the last round: the kvcached engine's memory falls back
         sampler.mark("idle")
         time.sleep(0.2)
@@ -543,6 +545,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             "init_ratio_kvcached_vs_control": round(engines["kvcached"].init_s /
                                                     engines["control"].init_s, 4),
             "preemptions": preemptions,
+            "page_calls": page_calls,
             "tokens_vs_vanilla": {n: differing(tokens["vanilla"], tokens[n])
                                   for n in ("kvcached", "control")},
             "memory": mem,
@@ -556,6 +559,29 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             sampler.stop()
         for e in engines.values():
             e.finish()
+
+
+def page_call_totals(namespace: str) -> dict:
+    """The map / unmap calls an engine's pools timed into their records (``kvctl status``):
+    calls, 2 MiB handles and seconds, as the scheduler waited for them (the worker's driver
+    calls plus the request to it), for comparison with ``bench_mapper.py``'s raw calls."""
+    from kvcached_core.cli.view import snapshot
+
+    totals: dict[str, dict] = {}
+    for dev in snapshot(namespace)["devices"]:
+        for eng in dev["engines"]:
+            for pool in eng["pools"]:
+                for kind in ("map", "unmap"):
+                    lat, nbytes = pool[f"{kind}_latency"], pool[f"{kind}_bytes"]
+                    row = totals.setdefault(kind, {"calls": 0, "handles_2mib": 0, "seconds": 0.0})
+                    row["calls"] += lat["count"]
+                    row["handles_2mib"] += nbytes // (2 << 20)
+                    row["seconds"] += lat["sum_s"]
+    for row in totals.values():
+        row["seconds"] = round(row["seconds"], 4)
+        row["us_per_handle"] = (round(1e6 * row["seconds"] / row["handles_2mib"], 2)
+                                if row["handles_2mib"] else None)
+    return totals
 
 
 def _share(models: dict, args: argparse.Namespace, deadline: float) -> dict:
