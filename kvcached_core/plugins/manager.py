@@ -36,7 +36,7 @@ import pluggy
 from packaging.version import Version
 
 from kvcached_core.plugins import hookspecs
-from kvcached_core.device import NATIVE_DEVICE_TYPES, set_backend_selector
+from kvcached_core.device import NATIVE_BACKENDS, NATIVE_DEVICE_TYPES, set_backend_selector
 from kvcached_core.env import env_bool, env_list
 from kvcached_core.errors import BackendUnavailableError, KVCachedConfigError, PluginError
 from kvcached_core.plugins._process import process_lock
@@ -311,11 +311,15 @@ class KVCachedPluginManager(pluggy.PluginManager):
             except PluginError as exc:
                 errors.append(exc)
                 continue
-            try:
+            owner = describe_owner(impl.plugin_name, dist)
+            try:  # a generator runs the plugin's code here
                 items = _as_records(result, kind)
             except TypeError as exc:
-                owner = describe_owner(impl.plugin_name, dist)
                 errors.append(PluginError(f"{owner}: {hook_name} {exc}"))
+                continue
+            except Exception as exc:
+                errors.append(PluginError(
+                    f"{owner}: {hook_name} raised {type(exc).__name__}: {exc}"))
                 continue
             records.extend(_attribute(r, impl.plugin_name, dist) for r in items)
         return records, errors
@@ -394,30 +398,56 @@ class KVCachedPluginManager(pluggy.PluginManager):
     def backend_for(self, device: str, compiled: tuple[str, ...]) -> str | BackendRecord | None:
         """What serves ``device``: the answer the device code's selector gives.
 
-        A ``kvcached_select_backend`` answer first: a compiled backend's name,
-        or the contributed backend of that name (any other name is returned
-        as it is, and the device code reports it missing). Else, for a device
-        type kvcached does not serve itself, the backend that lists it in its
-        ``devices``. Else ``None``: kvcached's own rule.
+        A ``kvcached_select_backend`` answer first: one of kvcached's own
+        backends that serves this device type (``host`` for ``cpu``, ``cuda`` or
+        ``hip`` for GPUs; the device code reports one this build lacks), or the
+        contributed backend of that name. An answer that is neither is reported
+        and passed over (an error with ``KVCACHED_STRICT=1``). Else, for a
+        device type kvcached does not serve itself, the backend that lists it in
+        its ``devices``. Else ``None``: kvcached's own rule.
 
         Raises:
-            PluginError: Two backends share a name or a device type.
+            PluginError: Two backends share a name or a device type; with
+                ``KVCACHED_STRICT=1``, a selection that serves nothing here.
             BackendUnavailableError: The backend found has no factory.
+            KVCachedConfigError: No backend serves the device type while some
+                plugin's ``kvcached_backends`` failed (the message lists them).
         """
-        name = self.select_backend(device, compiled)
-        if name is None:
-            kind = device.partition(":")[0]
-            if kind in NATIVE_DEVICE_TYPES:
-                return None
-            found = [r for r in self.backends().values() if kind in r.devices]
-            record = found[0] if found else None
-        elif name in compiled:
-            return name
-        else:
-            record = self.backends().get(name)
-            if record is None:
+        kind = device.partition(":")[0]
+        selected = self._select(device, compiled)
+        if selected is not None:
+            name, owner = selected
+            if name in NATIVE_BACKENDS and name in _NATIVE_FITS.get(kind, ()):
                 return name
-        if record is not None and record.factory is None:
+            record = self.backends().get(name)
+            if record is not None:
+                return self._with_factory(record, device)
+            fits = _NATIVE_FITS.get(kind)
+            error = PluginError(
+                f"{owner}: kvcached_select_backend chose backend {name!r} for device {device!r}, "
+                + (f"which takes {' or '.join(map(repr, fits))} or a plugin's backend"
+                   if fits else "which no installed plugin contributes")
+                + f" (contributed: {', '.join(sorted(self.backends())) or 'none'})"
+            )
+            if env_bool("KVCACHED_STRICT", False):
+                raise error
+            self._problem(str(error))
+        if kind in NATIVE_DEVICE_TYPES:
+            return None
+        found = [r for r in self.backends().values() if kind in r.devices]
+        if found:
+            return self._with_factory(found[0], device)
+        failed = [p for p in self.problems if "kvcached_backends" in p]
+        if failed:
+            raise KVCachedConfigError(
+                f"device {device!r}: no installed plugin serves {kind!r} devices; these "
+                f"plugins' backends could not be read: {'; '.join(failed)}"
+            )
+        return None
+
+    @staticmethod
+    def _with_factory(record: BackendRecord, device: str) -> BackendRecord:
+        if record.factory is None:
             raise BackendUnavailableError(
                 f"device {device!r} would be served by backend {record.name!r} of "
                 f"{record.owner}, which has no factory to open a page mapper"
@@ -430,6 +460,11 @@ class KVCachedPluginManager(pluggy.PluginManager):
         A plugin that raises or answers something other than a name is
         reported and passed over; with ``KVCACHED_STRICT=1`` that is an error.
         """
+        selected = self._select(device, compiled)
+        return None if selected is None else selected[0]
+
+    def _select(self, device: str, compiled: tuple[str, ...]) -> tuple[str, str] | None:
+        """:meth:`select_backend`'s answer and the plugin that gave it."""
         kwargs = {"device": device, "compiled": compiled}
         for impl, dist in self._implementations("kvcached_select_backend"):
             try:
@@ -437,7 +472,7 @@ class KVCachedPluginManager(pluggy.PluginManager):
                 if answer is None:
                     continue
                 if isinstance(answer, str) and answer:
-                    return answer
+                    return answer, describe_owner(impl.plugin_name, dist)
                 raise PluginError(
                     f"{describe_owner(impl.plugin_name, dist)}: kvcached_select_backend "
                     f"returned {answer!r}, expected a backend name or None"
@@ -447,6 +482,10 @@ class KVCachedPluginManager(pluggy.PluginManager):
                     raise
                 self._problem(str(exc))
         return None
+
+
+#: Which of kvcached's own backends serve each of its device types.
+_NATIVE_FITS = {"cpu": ("host",), "cuda": ("cuda", "hip"), "hip": ("cuda", "hip")}
 
 
 def _hook_names() -> list[str]:
@@ -473,9 +512,7 @@ def _as_records(result: Any, kind: type[_R]) -> list[_R]:
 
 
 def _attribute(record: _R, plugin: str, dist: str | None) -> _R:
-    """``record`` attributed to ``plugin`` (unchanged if it already names one)."""
-    if record.plugin is not None:
-        return record
+    """``record`` attributed to the plugin whose hook returned it, whatever it named."""
     return dataclasses.replace(record, plugin=plugin, distribution=dist)
 
 

@@ -213,6 +213,10 @@ class EngineAdapter:
         return _record_dict(self, skip=("patch_sets",))
 
 
+#: What the allocator calls on a page mapper besides its attributes (``vmm.PageMapper``).
+_MAPPER_METHODS = ("reserve", "group", "trim_pool", "mem_info", "stats")
+
+
 @dataclass(frozen=True)
 class BackendRecord:
     """A memory backend a plugin contributes: page mappers for devices kvcached
@@ -255,9 +259,19 @@ class BackendRecord:
 
     def __post_init__(self) -> None:
         _check_name("backend", self.name)
-        if self.name in NATIVE_BACKENDS:
-            raise PluginError(f"backend name {self.name!r} is taken by a compiled backend")
-        devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
+        if self.name.lower() in (*NATIVE_BACKENDS, *NATIVE_DEVICE_TYPES):
+            raise PluginError(f"backend name {self.name!r} is taken by kvcached's own backends "
+                              "and device types")
+        if not isinstance(self.description, str):
+            raise PluginError(f"backend {self.name!r}: description must be a string, "
+                              f"not {type(self.description).__name__}")
+        if isinstance(self.devices, str):
+            devices: tuple = (self.devices,)
+        elif isinstance(self.devices, Iterable):
+            devices = tuple(self.devices)
+        else:
+            raise PluginError(f"backend {self.name!r}: devices must be a device type or a "
+                              f"sequence of them, not {type(self.devices).__name__}")
         for kind in devices:
             if not isinstance(kind, str) or not DEVICE_TYPE.fullmatch(kind):
                 raise PluginError(
@@ -294,29 +308,42 @@ class BackendRecord:
 
         Raises:
             BackendUnavailableError: The record has no factory.
-            PluginError: The factory raised (other than a kvcached error, which
-                passes through) or returned a mapper of another backend, page
-                size or device; the message names the plugin.
+            KVCachedError: The factory raised one (out of memory, a bad page
+                size): the same kind, its message prefixed with the plugin.
+            PluginError: The factory raised something else or returned no
+                mapper of this backend, page size and device; the message names
+                the plugin.
         """
         where = f"{self.owner}: backend {self.name!r}"
         if self.factory is None:
             raise BackendUnavailableError(f"{where} has no factory to open a page mapper")
         try:
             mapper = self.factory(device, page_size)
-        except KVCachedError:
-            raise
+        except KVCachedError as exc:
+            try:
+                named = type(exc)(f"{where}: {exc}")
+            except Exception:  # an error type with other arguments: as it is
+                raise exc from None
+            raise named from exc
         except Exception as exc:
             raise PluginError(
                 f"{where}: its factory failed for device index {device.index} with "
                 f"{page_size}-byte pages: {type(exc).__name__}: {exc}"
             ) from exc
-        wanted = (self.name, page_size, device.torch_device)
-        got = tuple(getattr(mapper, a, None) for a in ("backend", "page_size", "torch_device"))
-        if got != wanted:
-            raise PluginError(
-                f"{where}: its factory returned a {type(mapper).__name__} whose backend, page "
-                f"size and torch_device are {got!r}, not {wanted!r}"
-            )
+        wanted = (self.name, device.index, page_size, device.torch_device)
+        got = tuple(getattr(mapper, a, None)
+                    for a in ("backend", "device", "page_size", "torch_device"))
+        missing = [m for m in _MAPPER_METHODS if not callable(getattr(mapper, m, None))]
+        if got != wanted or missing:
+            close = getattr(mapper, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # the error below is the one to report
+                    pass
+            what = (f"whose backend, device, page size and torch_device are {got!r}, not "
+                    f"{wanted!r}" if got != wanted else f"without {', '.join(missing)}")
+            raise PluginError(f"{where}: its factory returned a {type(mapper).__name__} {what}")
         return mapper
 
     def to_dict(self) -> dict[str, Any]:

@@ -226,14 +226,14 @@ def test_plugins_reach_the_device_code_through_the_installed_selector(monkeypatc
     assert device._selector is manager.backend_for  # installed by importing the framework
     asked: list[tuple[str, tuple[str, ...]]] = []
 
-    def host_for_everything(text: str, compiled: tuple[str, ...]) -> str:
+    def hip_for_gpus(text: str, compiled: tuple[str, ...]) -> str | None:
         asked.append((text, compiled))
-        return "host"
+        return "hip" if text.startswith("cuda") else None
 
     monkeypatch.setattr(device, "_selector", None)
-    assert device.set_backend_selector(host_for_everything) is None
+    assert device.set_backend_selector(hip_for_gpus) is None
     dev = device.parse_device(" CUDA:2 ")
-    assert (dev.backend, dev.index, dev.torch_device) == ("host", 2, "cuda:2")
+    assert (dev.backend, dev.index, dev.torch_device) == ("hip", 2, "cuda:2")
     assert asked == [("cuda:2", device.compiled_backends())]
-    assert device.set_backend_selector(None) is host_for_everything
-    assert device.parse_device("cuda:2").backend != "host"  # the compiled rule alone
+    assert device.set_backend_selector(None) is hip_for_gpus
+    assert device.parse_device("cuda:2").backend == "cuda"  # the compiled rule alone (no ROCm)

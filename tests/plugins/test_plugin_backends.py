@@ -7,6 +7,7 @@ from Python, for ``pymem:N`` devices); the allocator runs over it unchanged.
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -92,8 +93,9 @@ def test_kvcached_backends_carry_the_allocator_unchanged() -> None:
 def test_kvcached_backends_mappers_keep_the_mapper_contract() -> None:
     _manager(("pymem", pymem_backend))
     mapper = open_mapper("pymem:0", PAGE)
-    with pytest.raises(MappingError, match="not a multiple of the granularity"):
-        open_mapper("pymem:0", 1000)  # a kvcached error from the factory passes through
+    with pytest.raises(MappingError, match=r"^plugin 'pymem' \(distribution 'dist-pymem'\): "
+                       r"backend 'pymem-mmap': .*not a multiple of the granularity"):
+        open_mapper("pymem:0", 1000)  # a kvcached error from the factory keeps its kind
     vt = mapper.reserve(4 * PAGE)
     mapper.map([vt], [0, 2])
     view = as_tensor(vt)
@@ -148,10 +150,37 @@ def test_kvcached_backends_mistakes_name_the_plugin() -> None:
         return PyMemMapper(Device("pymem-mmap", device.index, "cpu"), page_size)
 
     _manager(("other", _record(name="other", devices="otherdev", factory=other)))
-    with pytest.raises(PluginError, match=r"returned a PyMemMapper whose backend, page size and "
-                       r"torch_device are \('pymem-mmap', 65536, 'cpu'\), not \('other', 65536, "
-                       r"'otherdev:0'\)"):
+    with pytest.raises(PluginError, match=r"returned a PyMemMapper whose backend, device, page "
+                       r"size and torch_device are \('pymem-mmap', 0, 65536, 'cpu'\), not "
+                       r"\('other', 0, 65536, 'otherdev:0'\)"):
         open_mapper("otherdev:0", PAGE)
+
+    def wrong_index(device: Device, page_size: int) -> PyMemMapper:
+        return PyMemMapper(Device("pymem-mmap", 6, "cpu"), page_size)
+
+    _manager(("six", _record(name="pymem-mmap", devices="pymem", torch_device="cpu",
+                             factory=wrong_index)))
+    with pytest.raises(PluginError, match=r"plugin 'six' .*device, page size and torch_device "
+                       r"are \('pymem-mmap', 6, 65536, 'cpu'\), not \('pymem-mmap', 1, 65536, "
+                       r"'cpu'\)"):
+        open_mapper("pymem:1", PAGE)
+
+    closed: list[bool] = []
+
+    class NoGroup:  # a mapper's attributes, not its methods
+        backend, device, page_size, torch_device = "nogroup", 0, PAGE, "nogroupdev:0"
+
+        def reserve(self, size: int) -> None: ...
+
+        def close(self) -> None:
+            closed.append(True)
+
+    _manager(("nogroup", _record(name="nogroup", devices="nogroupdev",
+                                 factory=lambda device, page_size: NoGroup())))
+    with pytest.raises(PluginError, match=r"plugin 'nogroup' .*returned a NoGroup without group, "
+                       r"trim_pool, mem_info, stats"):
+        open_mapper("nogroupdev:0", PAGE)
+    assert closed == [True]  # the rejected mapper was let go
 
     manager = _manager(("pymem", pymem_backend),
                        ("again", _record(name="again", devices=("pymem",), factory=other)))
@@ -171,10 +200,73 @@ def test_kvcached_backends_device_types_are_checked(devices: tuple[str, ...], me
         BackendRecord(name="x", devices=devices)
 
 
-@pytest.mark.parametrize("name", ["cuda", "hip", "host"])
+@pytest.mark.parametrize("name", ["cuda", "hip", "host", "CUDA", "cpu"])
 def test_kvcached_backends_names_of_compiled_backends_are_taken(name: str) -> None:
-    with pytest.raises(PluginError, match=f"backend name '{name}' is taken by a compiled backend"):
+    with pytest.raises(PluginError, match=f"backend name '{name}' is taken by kvcached's own"):
         BackendRecord(name=name, devices="xdev")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"devices": 5}, "devices must be a device type or a sequence of them, not int"),
+    ({"description": ["x"]}, "description must be a string, not list"),
+])
+def test_kvcached_backends_record_fields_are_checked(fields: dict, message: str) -> None:
+    with pytest.raises(PluginError, match=message):
+        BackendRecord(name="x", **fields)
+
+
+def test_kvcached_backends_records_name_the_plugin_that_returned_them() -> None:
+    class Impostor:
+        @hookimpl
+        def kvcached_backends(self) -> BackendRecord:
+            return BackendRecord(name="imp", devices="impdev", plugin="pymem",
+                                 distribution="dist-pymem")
+
+    manager = _manager(("imp", Impostor()))
+    assert manager.backends()["imp"].owner == "plugin 'imp' (distribution 'dist-imp')"
+
+
+def test_kvcached_backends_generator_hooks_that_fail_name_the_plugin() -> None:
+    class Yields:
+        @hookimpl
+        def kvcached_backends(self) -> Any:
+            yield BackendRecord(name="cuda", devices="ydev")
+
+    manager = _manager(("yields", Yields()), ("pymem", pymem_backend))
+    assert list(manager.backends()) == ["pymem-mmap"]  # the other plugin still serves
+    assert parse_device("pymem:0").backend == "pymem-mmap"
+    assert any(p.startswith("plugin 'yields' (distribution 'dist-yields'): kvcached_backends "
+                            "raised PluginError: backend name 'cuda' is taken")
+               for p in manager.problems), manager.problems
+    with pytest.raises(KVCachedConfigError, match=r"device 'ydev:0': no installed plugin serves "
+                       r"'ydev' devices; these plugins' backends could not be read: plugin "
+                       r"'yields'"):
+        parse_device("ydev:0")
+
+
+@pytest.mark.parametrize("device, choice, fits", [
+    ("cpu", "cuda", "which takes 'host' or a plugin's backend"),
+    ("cuda:1", "host", "which takes 'cuda' or 'hip' or a plugin's backend"),
+    ("cuda:0", "nosuch", "which takes 'cuda' or 'hip' or a plugin's backend"),
+    ("pymem:0", "host", "which no installed plugin contributes"),
+])
+def test_kvcached_backends_a_selection_that_serves_nothing_is_passed_over(
+        monkeypatch: pytest.MonkeyPatch, device: str, choice: str, fits: str) -> None:
+    class Chooser:
+        @hookimpl
+        def kvcached_select_backend(self, device: str) -> str:
+            return choice
+
+    manager = _manager(("pymem", pymem_backend), ("chooser", Chooser()))
+    expected = (rf"plugin 'chooser' \(distribution 'dist-chooser'\): kvcached_select_backend "
+                rf"chose backend '{choice}' for device '{device}', {fits} \(contributed: "
+                rf"pymem-mmap\)")
+    own = {"cpu": "host", "cuda:1": "cuda", "cuda:0": "cuda", "pymem:0": "pymem-mmap"}[device]
+    assert parse_device(device).backend == own  # reported, then kvcached's own rule
+    assert any(re.fullmatch(expected, p) for p in manager.problems), manager.problems
+    monkeypatch.setenv("KVCACHED_STRICT", "1")
+    with pytest.raises(PluginError, match=expected):
+        parse_device(device)
 
 
 @pytest.mark.parametrize("template", ["{type}:{index}", "{", 3])
