@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -149,19 +150,29 @@ def sglang_env(version: str, workdir: Path, **kv: str) -> tuple[list[str], dict[
 
 
 class Engine:
-    """A child engine process and its command channel."""
+    """A child engine process and its command channel.
+
+    The child leads a process group of its own: :meth:`close` ends the whole group,
+    so the processes an engine starts (vLLM's engine core, SGLang's scheduler)
+    cannot outlive it.
+    """
 
     def __init__(self, model: Path, env: dict[str, str], log: Path,
                  command: list[str] | None = None) -> None:
-        self.log = open(log, "wb")
-        if command is None:  # a vLLM engine child: this module, from this checkout
+        if command is None:  # a vLLM engine child: this module and kvcached_vllm, from this checkout
             command = [sys.executable, "-m", __name__, "--child"]
-            env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                     env.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen(
-            command + [str(model)], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            paths = [str(ROOT), str(ROOT / "kvcached_vllm" / "src"), env.get("PYTHONPATH")]
+            env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, paths)))
         self.log_path = log
+        self.failed = False  # it gave no answer: close kills it without asking it to quit
+        self.log = open(log, "wb")
+        try:
+            self.proc = subprocess.Popen(
+                command + [str(model)], env=env, start_new_session=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        except BaseException:
+            self.log.close()
+            raise
 
     def wait_ready(self, timeout: float = 600) -> dict:
         return self._answer(timeout)
@@ -170,17 +181,26 @@ class Engine:
         result: dict = {}
 
         def read() -> None:
-            line = self.proc.stdout.readline()
-            result["line"] = line
+            result["line"] = self.proc.stdout.readline()
 
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(timeout)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout
+        while reader.is_alive() and self.proc.poll() is None and time.monotonic() < deadline:
+            reader.join(0.1)
+        if self.proc.poll() is not None:
+            reader.join(1.0)  # an answer written just before it exited is still in the pipe
         line = result.get("line")
-        if not line:
-            raise RuntimeError(f"engine child gave no answer; log {self.log_path}:\n"
-                               + self.log_path.read_text()[-3000:])
-        return json.loads(line)
+        if line:
+            return json.loads(line)
+        self.failed = True
+        code = self.proc.poll()
+        why = f"timed out after {timeout:g} s" if code is None else f"exited with code {code}"
+        try:
+            tail = self.log_path.read_bytes()[-3000:].decode(errors="replace")
+        except OSError as exc:
+            tail = f"(unreadable: {exc})"
+        raise RuntimeError(f"engine child {why} without an answer; log {self.log_path}:\n{tail}")
 
     def ask(self, timeout: float = 600, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -189,14 +209,26 @@ class Engine:
 
     def close(self) -> None:
         try:
-            if self.proc.poll() is None:
+            if self.proc.poll() is None and not self.failed:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.flush()
                 self.proc.wait(60)
         except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(30)
-        self.log.close()
+            pass
+        finally:
+            try:  # whatever of the group is left: a hung child, or what it started
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(30)
+            finally:
+                for f in (self.proc.stdin, self.proc.stdout):
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+                self.log.close()
 
 
 def _slots(reading, ns_a: str, ns_b: str):
@@ -219,10 +251,10 @@ def run_share(model: Path, workdir: Path, *, budget_bundles: int = 10, a_prompts
     tag = uuid.uuid4().hex[:6]
     ns_a, ns_b = f"share-a-{tag}", f"share-b-{tag}"
     budget = budget_bundles * BUNDLE
-    base = dict(os.environ, KVCACHED_ENABLED="1", KVCACHED_STRICT="1",
-                KVCACHED_SHM_DIR=str(shm_dir), KVCACHED_DEVICE_BUDGET=str(budget),
-                KVCACHED_MAX_CACHED_TOKENS="-1", VLLM_TARGET_DEVICE="cpu")
-    base.pop("KVCACHED_BUDGET_DEVICE", None)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    base.update(KVCACHED_ENABLED="1", KVCACHED_STRICT="1", KVCACHED_SHM_DIR=str(shm_dir),
+                KVCACHED_DEVICE_BUDGET=str(budget), KVCACHED_MAX_CACHED_TOKENS="-1",
+                VLLM_TARGET_DEVICE="cpu")
     engines = {}
     try:
         if a_sglang is None:
