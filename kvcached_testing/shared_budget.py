@@ -16,13 +16,16 @@ page ids are 4 MiB (vLLM: 2 MiB pages x 2 layers; SGLang: 1 MiB pages x 2 layers
    gives back its reserve, then whole pages of its prefix cache (vLLM at once
    under its scheduler's lock; SGLang's scheduler at its next idle moment,
    as its radix cache is not to be touched from another thread). Recorded:
-   B's misses, the bytes A gave back, the time from B's miss to A's pages
-   being unmapped (A's slot in the budget record: ``giveback_ms``), B's
+   B's misses, the bytes A gave back, the bytes of pages A has in use before
+   and after (its pool segments: they fall only if cached blocks were evicted,
+   not when only the reserve goes), the time from B's miss to A's pages
+   being unmapped (A's slots in the budget record: ``giveback_ms``), B's
    preemptions (vLLM's own counter) and whether the record ever held more
    than the budget (sampled every ms by this process).
 3. B idles with its cache; ``kvctl limit``'s call lowers B's limit to one page
-   bundle: the seconds until B's pool segment shows it unmapped down to the
-   limit (``limit_applied_ms``); then the limit is lifted and B serves again.
+   bundle: the time until B's pool segment shows it within the limit
+   (``applied_ms``); then the limit is lifted and B serves prompts that need
+   several bundles.
 
 :func:`run_share` runs it: ``tests/vllm/test_shared_budget.py`` checks its
 results, ``benchmarks/bench_vllm_share.py`` records them.
@@ -32,12 +35,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -149,19 +154,29 @@ def sglang_env(version: str, workdir: Path, **kv: str) -> tuple[list[str], dict[
 
 
 class Engine:
-    """A child engine process and its command channel."""
+    """A child engine process and its command channel.
+
+    The child leads a process group of its own: :meth:`close` ends the whole group,
+    so the processes an engine starts (vLLM's engine core, SGLang's scheduler)
+    cannot outlive it.
+    """
 
     def __init__(self, model: Path, env: dict[str, str], log: Path,
                  command: list[str] | None = None) -> None:
-        self.log = open(log, "wb")
-        if command is None:  # a vLLM engine child: this module, from this checkout
+        if command is None:  # a vLLM engine child: this module and kvcached_vllm, from this checkout
             command = [sys.executable, "-m", __name__, "--child"]
-            env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                     env.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen(
-            command + [str(model)], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            paths = [str(ROOT), str(ROOT / "kvcached_vllm" / "src"), env.get("PYTHONPATH")]
+            env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, paths)))
         self.log_path = log
+        self.failed = False  # it gave no answer: close kills it without asking it to quit
+        self.log = open(log, "wb")
+        try:
+            self.proc = subprocess.Popen(
+                command + [str(model)], env=env, start_new_session=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        except BaseException:
+            self.log.close()
+            raise
 
     def wait_ready(self, timeout: float = 600) -> dict:
         return self._answer(timeout)
@@ -170,17 +185,26 @@ class Engine:
         result: dict = {}
 
         def read() -> None:
-            line = self.proc.stdout.readline()
-            result["line"] = line
+            result["line"] = self.proc.stdout.readline()
 
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(timeout)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout
+        while reader.is_alive() and self.proc.poll() is None and time.monotonic() < deadline:
+            reader.join(0.1)
+        if self.proc.poll() is not None:
+            reader.join(1.0)  # an answer written just before it exited is still in the pipe
         line = result.get("line")
-        if not line:
-            raise RuntimeError(f"engine child gave no answer; log {self.log_path}:\n"
-                               + self.log_path.read_text()[-3000:])
-        return json.loads(line)
+        if line:
+            return json.loads(line)
+        self.failed = True
+        code = self.proc.poll()
+        why = f"timed out after {timeout:g} s" if code is None else f"exited with code {code}"
+        try:
+            tail = self.log_path.read_bytes()[-3000:].decode(errors="replace")
+        except OSError as exc:
+            tail = f"(unreadable: {exc})"
+        raise RuntimeError(f"engine child {why} without an answer; log {self.log_path}:\n{tail}")
 
     def ask(self, timeout: float = 600, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -189,19 +213,44 @@ class Engine:
 
     def close(self) -> None:
         try:
-            if self.proc.poll() is None:
+            if self.proc.poll() is None and not self.failed:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.flush()
                 self.proc.wait(60)
         except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(30)
-        self.log.close()
+            pass
+        finally:
+            try:  # whatever of the group is left: a hung child, or what it started
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(30)
+            finally:
+                for f in (self.proc.stdin, self.proc.stdout):
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+                self.log.close()
 
 
-def _slots(reading, ns_a: str, ns_b: str):
-    by = {s.name.split("/")[0]: s for s in reading.slots if s.alive}
-    return by.get(ns_a), by.get(ns_b)
+def _totals(reading, ns: str) -> dict | None:
+    """A namespace's live slots in a budget reading, summed (the longest giveback
+    times of them), or None if it has none."""
+    slots = [s for s in reading.slots if s.alive and s.name.split("/")[0] == ns]
+    if not slots:
+        return None
+    return {"mapped": sum(s.mapped for s in slots), "misses": sum(s.misses for s in slots),
+            "given_bytes": sum(s.given_bytes for s in slots),
+            "givebacks": sum(s.givebacks for s in slots),
+            "last_giveback_ns": max(s.last_giveback_ns for s in slots),
+            "max_giveback_ns": max(s.max_giveback_ns for s in slots)}
+
+
+def _pool_used(shm, ns: str, directory: Path) -> int:
+    """Bytes of pages in use in a namespace's live pools (their segments)."""
+    return sum(p.used for p in shm.list_pools(ns, directory) if p.alive)
 
 
 def run_share(model: Path, workdir: Path, *, budget_bundles: int = 10, a_prompts: int = 14,
@@ -219,90 +268,100 @@ def run_share(model: Path, workdir: Path, *, budget_bundles: int = 10, a_prompts
     tag = uuid.uuid4().hex[:6]
     ns_a, ns_b = f"share-a-{tag}", f"share-b-{tag}"
     budget = budget_bundles * BUNDLE
-    base = dict(os.environ, KVCACHED_ENABLED="1", KVCACHED_STRICT="1",
-                KVCACHED_SHM_DIR=str(shm_dir), KVCACHED_DEVICE_BUDGET=str(budget),
-                KVCACHED_MAX_CACHED_TOKENS="-1", VLLM_TARGET_DEVICE="cpu")
-    base.pop("KVCACHED_BUDGET_DEVICE", None)
-    engines = {}
-    try:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    base.update(KVCACHED_ENABLED="1", KVCACHED_STRICT="1", KVCACHED_SHM_DIR=str(shm_dir),
+                KVCACHED_DEVICE_BUDGET=str(budget), KVCACHED_MAX_CACHED_TOKENS="-1",
+                VLLM_TARGET_DEVICE="cpu")
+    with ExitStack() as stack:  # closes what was opened, each even if another's close fails
         if a_sglang is None:
-            engines["a"] = Engine(model, dict(base, KVCACHED_IPC_NAME=ns_a),
-                                  workdir / "engine-a.log")
+            a = Engine(model, dict(base, KVCACHED_IPC_NAME=ns_a), workdir / "engine-a.log")
         else:
             kv = {k: v for k, v in base.items() if k.startswith("KVCACHED_")}
             command, env = sglang_env(a_sglang, workdir, **kv, KVCACHED_IPC_NAME=ns_a,
                                       KVCACHED_PAGE_SIZE_MB="1")
-            engines["a"] = Engine(model, env, workdir / "engine-a.log", command)
-        engines["b"] = Engine(model, dict(base, KVCACHED_IPC_NAME=ns_b), workdir / "engine-b.log")
-        imported = [e.wait_ready() for e in engines.values()]
-        a, b = engines["a"], engines["b"]
-        rec = bud.BudgetRecord.open("host", shm_dir, create=False)
+            a = Engine(model, env, workdir / "engine-a.log", command)
+        stack.callback(a.close)
+        b = Engine(model, dict(base, KVCACHED_IPC_NAME=ns_b), workdir / "engine-b.log")
+        stack.callback(b.close)
+        imported = [e.wait_ready() for e in (a, b)]
+        rec = stack.enter_context(bud.BudgetRecord.open("host", shm_dir, create=False))
 
         a_out = a.ask(op="generate", n=a_prompts, length=length, seed=1, max_tokens=4)
         time.sleep(2.0)  # A idles: its reserve is trimmed, its prefix cache stays
         before = rec.read()
-        sa, sb = _slots(before, ns_a, ns_b)
+        sa, sb = _totals(before, ns_a), _totals(before, ns_b)
+        a_used = _pool_used(shm, ns_a, shm_dir)
 
-        peak = {"mapped": 0}
+        peak = {"mapped": rec.read().mapped, "samples": 1, "error": None}
         stop = threading.Event()
 
         def sample() -> None:
-            while not stop.is_set():
-                peak["mapped"] = max(peak["mapped"], rec.read().mapped)
-                time.sleep(0.001)
+            try:
+                while not stop.is_set():
+                    peak["mapped"] = max(peak["mapped"], rec.read().mapped)
+                    peak["samples"] += 1
+                    time.sleep(0.001)
+            except BaseException as exc:  # noqa: BLE001 - raised by the run below
+                peak["error"] = exc
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        b_out = b.ask(op="generate", n=b_prompts, length=length, seed=2, max_tokens=b_tokens)
-        stop.set()
-        sampler.join()
+        try:
+            b_out = b.ask(op="generate", n=b_prompts, length=length, seed=2, max_tokens=b_tokens)
+        finally:
+            stop.set()
+            sampler.join()
+        if peak["error"] is not None:
+            raise RuntimeError("sampling the budget record failed") from peak["error"]
         after = rec.read()
-        sa2, sb2 = _slots(after, ns_a, ns_b)
+        sa2, sb2 = _totals(after, ns_a), _totals(after, ns_b)
+        a_used2 = _pool_used(shm, ns_a, shm_dir)
 
         # Live limit on idle B: one bundle, then lifted.
         time.sleep(2.0)
-        view = shm.open_pool(ns_b, "kv0", shm_dir)
+        view = stack.enter_context(shm.open_pool(ns_b, "kv0", shm_dir))
         st0 = view.read()
         t0 = time.monotonic()
         view.set_limit(BUNDLE)
-        applied, last = None, st0.used + st0.reserved
-        while time.monotonic() - t0 < 1.5:  # the time of the last change: the limit landed
+        applied = None
+        while time.monotonic() - t0 < 1.5:  # until the pool is within the limit
             st = view.read()
-            if st.used + st.reserved != last:
-                last, applied = st.used + st.reserved, time.monotonic() - t0
+            if st.used + st.reserved <= BUNDLE:
+                applied = time.monotonic() - t0
+                break
             time.sleep(0.0005)
+        time.sleep(0.2)  # it stays there
         st_limited = view.read()
         view.set_limit(shm.NO_LIMIT)
         time.sleep(0.2)
-        b_again = b.ask(op="generate", n=4, length=length, seed=3, max_tokens=8)
+        # Needs several bundles (6 x 1808 tokens, 4096 a bundle), which the limit forbade.
+        b_again = b.ask(op="generate", n=6, length=length, seed=3, max_tokens=8)
         st_after = view.read()
-        view.close()
-        rec.close()
-    finally:
-        for e in engines.values():
-            e.close()
     return {
         "engine_a": "vllm" if a_sglang is None else f"sglang {imported[0]['sglang']}",
         "engine_b": "vllm",
         "budget_bytes": budget,
         "imported_from": sorted({os.path.dirname(os.path.dirname(r["kvcached_core"]))
                                  for r in imported}),
+        "kvcached_vllm_files": [r["kvcached_vllm"] for r in imported if "kvcached_vllm" in r],
         "a": {"prompts": a_prompts, "prompt_len": length,
-              "mapped_before_b_bytes": sa.mapped if sa else None,
-              "mapped_after_b_bytes": sa2.mapped if sa2 else None,
-              "given_back_bytes": sa2.given_bytes if sa2 else None,
-              "givebacks": sa2.givebacks if sa2 else None,
-              "giveback_ms_last": sa2.last_giveback_ns / 1e6 if sa2 else None,
-              "giveback_ms_max": sa2.max_giveback_ns / 1e6 if sa2 else None},
+              "mapped_before_b_bytes": sa and sa["mapped"],
+              "mapped_after_b_bytes": sa2 and sa2["mapped"],
+              "used_before_b_bytes": a_used, "used_after_b_bytes": a_used2,
+              "given_back_bytes": sa2 and sa2["given_bytes"],
+              "givebacks": sa2 and sa2["givebacks"],
+              "giveback_ms_last": sa2 and sa2["last_giveback_ns"] / 1e6,
+              "giveback_ms_max": sa2 and sa2["max_giveback_ns"] / 1e6},
         "b": {"prompts": b_prompts, "prompt_len": length, "max_tokens": b_tokens,
-              "mapped_before_bytes": sb.mapped if sb else None,
-              "mapped_after_bytes": sb2.mapped if sb2 else None,
-              "misses": sb2.misses if sb2 else None,
+              "mapped_before_bytes": sb and sb["mapped"],
+              "mapped_after_bytes": sb2 and sb2["mapped"],
+              "misses": sb2 and sb2["misses"],
               "seconds": b_out["seconds"], "preemptions": b_out["preemptions"],
               "all_completed": all(n == b_tokens for n in b_out["lengths"]),
               "tokens": b_out["tokens"]},
         "a_served": {"seconds": a_out["seconds"], "preemptions": a_out["preemptions"]},
         "peak_mapped_bytes": peak["mapped"],
+        "budget_samples": peak["samples"],
         "budget_respected": peak["mapped"] <= budget,
         "limit": {"limit_bytes": BUNDLE, "used_before_bytes": st0.used,
                   "reserved_before_bytes": st0.reserved,

@@ -26,8 +26,11 @@ def shared(tiny_model, tmp_path_factory):
 
 
 def test_engines_run_this_checkout(shared):
-    root = str(Path(__file__).resolve().parents[2])
-    assert shared["imported_from"] == [root]
+    root = Path(__file__).resolve().parents[2]
+    assert shared["imported_from"] == [str(root)]
+    adapter = root / "kvcached_vllm" / "src" / "kvcached_vllm"
+    files = shared["kvcached_vllm_files"]
+    assert len(files) == 2 and all(Path(f).resolve().parent == adapter for f in files), files
 
 
 def test_b_burst_completes_without_preemption_because_a_gave_back(shared):
@@ -37,6 +40,8 @@ def test_b_burst_completes_without_preemption_because_a_gave_back(shared):
     assert b["misses"] >= 1  # B did run short of budget ...
     assert a["given_back_bytes"] >= BUNDLE  # ... and A gave memory back
     assert a["mapped_after_b_bytes"] < a["mapped_before_b_bytes"]
+    # Pages in use fell: A evicted cached blocks, it did not only drop its reserve.
+    assert a["used_after_b_bytes"] < a["used_before_b_bytes"]
     assert a["giveback_ms_max"] < 200
 
 
@@ -44,5 +49,7 @@ def test_live_limit_reaches_an_idle_engine_and_lifting_restores_growth(shared):
     lim = shared["limit"]
     assert lim["reserved_limited_bytes"] == 0
     assert lim["used_limited_bytes"] < lim["used_before_bytes"]
-    assert lim["applied_ms"] is not None and lim["applied_ms"] < 200
+    assert lim["used_limited_bytes"] + lim["reserved_limited_bytes"] <= lim["limit_bytes"]
+    assert lim["applied_ms"] is not None and lim["applied_ms"] < 200  # within the limit by then
     assert lim["served_after_lift"]
+    assert lim["used_after_lift_bytes"] > lim["limit_bytes"]  # grew past what the limit allowed
