@@ -1,7 +1,7 @@
 """vLLM's scheduler with and without kvcached, replayed without a model: engine-core CPU per step.
 
-    cd /work/wt-rp && PYTHONPATH=$PWD:$PWD/kvcached_vllm/src \\
-        .venv-vllm/bin/python benchmarks/bench_vllm_scheduler.py [--rounds 6] [--profile]
+    .venv-vllm/bin/python benchmarks/bench_vllm_scheduler.py [--rounds 6] [--profile]
+        [--emulate-map-us 850] [--out benchmarks/results/vllm-cpu-scheduler-replay.json]
 
 Why: on an H200 vLLM with kvcached matched vanilla throughput on a host with a
 fast CPU/driver path and read 0.85-0.93x on hosts whose CPU path is ~45 %
