@@ -35,7 +35,7 @@ from typing import Any
 from kvcached_core.allocator import KVBlockManager, KVLayout, KVTensors, PageAllocator
 from kvcached_core.allocator.fence import StepFence
 from kvcached_core.config import Settings, load_settings
-from kvcached_core.device import Device
+from kvcached_core.device import Device, torch_is_rocm
 from kvcached_core.env import env_bool
 from kvcached_core.errors import IPCError, KVCachedConfigError, KVCachedError
 from kvcached_core.ipc.broadcast import Endpoint
@@ -49,6 +49,27 @@ __all__ = ["ElasticPool", "join_device_budget"]
 _log = logging.getLogger("kvcached")
 
 
+def budget_device(device: Device) -> tuple[str, int]:
+    """The memory whose budget ``device``'s pools share, as ``device_key`` takes it.
+
+    A compiled backend's own device; a plugin backend's by how torch names its
+    memory, so a plugin chosen for ``cpu`` or ``cuda:N`` (or one over host memory
+    for a device type of its own) shares the budget of the engines kvcached's own
+    backends run there: ``("host", 0)`` for torch's ``cpu``, ``cuda``/``hip`` (as
+    kvcached picks for this torch) and the index for ``cuda:N``, else the torch
+    device type and index (``xpu:1`` -> ``("xpu", 1)``).
+    """
+    if device.provider is None:
+        return device.backend, device.index
+    kind, _, index = device.torch_device.partition(":")
+    if kind == "cpu":
+        return "host", 0
+    number = int(index) if index.isdigit() else device.index
+    if kind == "cuda":
+        return ("hip" if torch_is_rocm() else "cuda"), number
+    return kind, number
+
+
 def join_device_budget(device: Device, settings: Settings, total: int, name: str) -> BudgetSlot | None:
     """A slot named ``name`` in ``device``'s budget record (its capacity set from
     ``KVCACHED_DEVICE_BUDGET`` when given), or ``None`` when the record cannot be opened.
@@ -58,7 +79,7 @@ def join_device_budget(device: Device, settings: Settings, total: int, name: str
             opened and ``KVCACHED_STRICT=1``.
     """
     try:
-        record = BudgetRecord.open(device_key(device.backend, device.index))
+        record = BudgetRecord.open(device_key(*budget_device(device)))
         record.set_device_total(total)
         if settings.device_budget is not None:
             record.set_capacity(settings.device_budget.resolve(total))

@@ -299,3 +299,31 @@ def test_kvcached_backends_reach_a_process_through_the_plugin_framework(site: Fa
         "'hip:N')",
         "PyMemMapper",
     ]
+
+
+def test_kvcached_backends_share_the_budget_of_the_memory_they_serve(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin backend's pools join the budget record of the memory torch names, so they
+    share it with the engines kvcached's own backends run on that memory."""
+    from kvcached_core.config import load_settings
+    from kvcached_core.pool import budget_device, join_device_budget
+
+    plugin = pymem_backend.kvcached_backends()
+    assert budget_device(Device("host", 0, "cpu")) == ("host", 0)
+    assert budget_device(Device("cuda", 2, "cuda:2")) == ("cuda", 2)
+    assert budget_device(Device("pymem-mmap", 3, "cpu", provider=plugin)) == ("host", 0)
+    assert budget_device(Device("mygpu", 1, "cuda:1", provider=plugin)) == ("cuda", 1)
+    assert budget_device(Device("level-zero", 1, "xpu:1", provider=plugin)) == ("xpu", 1)
+
+    tmp_path.chmod(0o700)
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(tmp_path))
+    monkeypatch.delenv("KVCACHED_BUDGET_DEVICE", raising=False)
+    _manager(("pymem", pymem_backend))
+    monkeypatch.setenv("KVCACHED_DEVICE_BUDGET", "64M")
+    settings = load_settings()
+    native = join_device_budget(parse_device("cpu"), settings, CAPACITY, "native/kv0")
+    plugged = join_device_budget(parse_device("pymem:0"), settings, CAPACITY, "pymem/kv0")
+    assert native is not None and plugged is not None
+    assert plugged.record.path == native.record.path  # one record: the host's
+    assert {s.name for s in native.record.read().slots if s.alive} == {"native/kv0",
+                                                                        "pymem/kv0"}
