@@ -20,7 +20,7 @@ def _racer(directory: str, name: str, chunk: int, tries: int, go, out) -> None:
     """Claim ``chunk`` bytes ``tries`` times as fast as possible; report (granted, missed)."""
     rec = bud.BudgetRecord.open("host", directory)
     slot = rec.join(name)
-    go.wait()
+    go.wait(timeout=60)
     granted = missed = 0
     for _ in range(tries):
         if slot.claim(chunk):
@@ -28,7 +28,7 @@ def _racer(directory: str, name: str, chunk: int, tries: int, go, out) -> None:
         else:
             missed += 1
     out.put((name, granted, missed))
-    go.wait()  # hold the slot until the parent has read the record
+    go.wait(timeout=60)  # hold the slot until the parent has read the record
 
 
 def test_two_processes_racing_for_the_last_pages_never_overdraw(shm_base):
@@ -39,13 +39,18 @@ def test_two_processes_racing_for_the_last_pages_never_overdraw(shm_base):
              for n in ("a/kv0", "b/kv0")]
     for p in procs:
         p.start()
-    go.wait()
-    results = sorted(out.get(timeout=60) for _ in procs)
-    reading = rec.read()
-    go.wait()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    try:  # a child that dies breaks the barrier (timeout) instead of hanging the suite
+        go.wait(timeout=60)
+        results = sorted(out.get(timeout=60) for _ in procs)
+        reading = rec.read()
+        go.wait(timeout=60)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert [p.exitcode for p in procs] == [0, 0]
     granted = sum(r[1] for r in results)
     missed = sum(r[2] for r in results)
     assert granted == 5 and missed == 3  # 10 MiB / 2 MiB, the other claims miss
