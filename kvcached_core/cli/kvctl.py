@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -342,10 +343,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _size_last(argv: list[str]) -> list[str]:
+    """``kvctl limit``'s SIZE written like an option (``-5%``, ``-1G``) moved behind ``--``, so
+    the size check names what is wrong with it instead of argparse missing an argument."""
+    if not argv or argv[0] != "limit" or "--" in argv:
+        return argv
+    negative = [a for a in argv[1:] if re.fullmatch(r"-[0-9.][0-9A-Za-z.%]*", a)]
+    if not negative:
+        return argv
+    return [a for a in argv if a not in negative] + ["--", *negative]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvctl`` and return its exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_size_last(list(sys.argv[1:] if argv is None else argv)))
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2

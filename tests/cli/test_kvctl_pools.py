@@ -47,6 +47,10 @@ def test_limit_errors_name_the_value(tmp_path):
     assert bad_size.returncode == 2 and "SIZE='lots' is not a size" in bad_size.stderr
     missing = kvctl("limit", "no-such-engine", "kv0", "1G", shm_dir=tmp_path)
     assert missing.returncode == 2 and "no-such-engine" in missing.stderr
+    for args in (("-5%",), ("-5%", "--json"), ("--json", "-1G")):  # sizes that look like options
+        negative = kvctl("limit", "engine-a", "kv0", *args, shm_dir=tmp_path)
+        size = next(a for a in args if a != "--json")
+        assert negative.returncode == 2 and f"SIZE={size!r}" in negative.stderr, negative.stderr
 
 
 def test_limit_beyond_the_range_is_an_error_not_a_traceback(tmp_path):
