@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -66,6 +65,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # kvcached_testing
+from kvcached_testing.tiny_model import token_prompts  # noqa: E402
 
 GIB = 1 << 30
 TINY_KV = 4 * GIB
@@ -104,16 +104,6 @@ def build_models(root: Path) -> dict[str, str]:
         del model
         torch.cuda.empty_cache()
     return {"tiny": str(tiny), "1b": str(big)}
-
-
-def token_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 500,
-                  prefix: list[int] | None = None) -> list[list[int]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        body = [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
-        out.append((prefix or []) + body)
-    return out
 
 
 # ------------------------------------------------------------------ engine child

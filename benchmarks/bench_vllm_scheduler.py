@@ -82,7 +82,6 @@ import cProfile
 import io
 import os
 import pstats
-import random
 import statistics
 import sys
 import tempfile
@@ -96,6 +95,7 @@ from _timing import run_info, summary, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # kvcached_testing
+from kvcached_testing.tiny_model import token_prompts  # noqa: E402
 
 BLOCK_SIZE = 16
 KV_HEADS = 8
@@ -103,19 +103,12 @@ HEAD_DIM = 64
 #: vLLM's default for the LLM class on a GPU of >= 70 GiB (the H200 run).
 MAX_BATCHED_TOKENS = 16384
 MAX_MODEL_LEN = 4096
-VOCAB = 500
 #: The scheduler methods kvcached's patch set wraps (vanilla keeps vLLM's own).
 SCHEDULER_METHODS = ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache")
 
 
 def log(*args) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
-
-
-def token_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    """As ``bench_vllm_gpu.token_prompts``: ``n`` prompts of lo..hi random token ids."""
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 # ------------------------------------------------------------------ set-up

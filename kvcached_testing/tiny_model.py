@@ -15,7 +15,7 @@ import os
 import random
 from pathlib import Path
 
-__all__ = ["build_tiny_llama", "PROMPTS", "VOCAB_SIZE"]
+__all__ = ["build_tiny_llama", "PROMPTS", "VOCAB_SIZE", "token_prompts"]
 
 VOCAB_SIZE = 512
 
@@ -25,6 +25,15 @@ PROMPTS = [
     "Virtual memory lets a serving engine",
     "alpha beta gamma delta epsilon zeta eta theta",
 ]
+
+def token_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 500,
+                  prefix: list[int] | None = None) -> list[list[int]]:
+    """``n`` prompts of ``lo``..``hi`` random token ids below ``vocab`` (after ``prefix``),
+    the same for a seed: what the vLLM benchmarks send as ``prompt_token_ids``."""
+    rng = random.Random(seed)
+    return [(prefix or []) + [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
+            for _ in range(n)]
+
 
 _WORDS = (
     "the a an cache page block memory request token engine map unmap virtual "
