@@ -11,12 +11,15 @@ KVCACHED_MAX_RESERVED_PAGES     8        0..65536       never keep more mapped-b
 KVCACHED_IDLE_TRIM_S            5        0..604800      trim the reserve after this long idle
                                                         (0: never)
 KVCACHED_IDLE_KEEP_PAGES        0        0..65536       reserved pages the idle trim leaves
+KVCACHED_CACHE_IDLE_S           30       0..604800      evict unused prefix-cached pages after
+                                                        this long idle (0: never)
 KVCACHED_MEMORY_LIMIT           none     0..1 EiB       cap on mapped KV bytes per pool (2G)
 KVCACHED_GPU_UTILIZATION        0.95     0.05..1        leave (1-x) of the memory free
 KVCACHED_DEVICE_BUDGET          none     0..1 EiB,      KV bytes all engines of this user may
                                          0..100%        map on a device together (2G, 40%);
                                                         see ipc.budget
-KVCACHED_MAX_CACHED_TOKENS      8192     -1..2^31-1     prefix-cached tokens kept (-1: no cap)
+KVCACHED_MAX_CACHED_TOKENS      -1       -1..2^31-1     cap on prefix-cached tokens kept while
+                                                        unused (-1: no cap, the engine's own)
 KVCACHED_IPC_TIMEOUT_S          60       0.001..86400   bound on one call to the workers
 KVCACHED_IPC_CONNECT_TIMEOUT_S  60       0..86400       bound on connecting to a worker
 KVCACHED_FAULTS                 off      rules          fault injection for tests
@@ -51,6 +54,7 @@ RANGES: dict[str, tuple[int | float, int | float]] = {
     "KVCACHED_MAX_RESERVED_PAGES": (0, 1 << 16),
     "KVCACHED_IDLE_TRIM_S": (0.0, 7 * 86400.0),
     "KVCACHED_IDLE_KEEP_PAGES": (0, 1 << 16),
+    "KVCACHED_CACHE_IDLE_S": (0.0, 7 * 86400.0),
     "KVCACHED_MEMORY_LIMIT": (0, MAX_SIZE),
     "KVCACHED_GPU_UTILIZATION": (0.05, 1.0),
     "KVCACHED_MAX_CACHED_TOKENS": (-1, (1 << 31) - 1),
@@ -176,11 +180,12 @@ class Settings:
     gpu_utilization: float
     idle_keep_pages: int = 0
     device_budget: SizeSpec | None = None
+    cache_idle_s: float = 30.0
 
 
 #: Built-in defaults of :func:`load_settings` (an engine adapter may pass its own).
 DEFAULTS = dict(page_size_mb=2, min_reserved_pages=2, max_reserved_pages=8, idle_trim_s=5.0,
-                idle_keep_pages=0, gpu_utilization=0.95)
+                idle_keep_pages=0, gpu_utilization=0.95, cache_idle_s=30.0)
 
 
 def load_settings(**defaults: float) -> Settings:
@@ -222,6 +227,7 @@ def load_settings(**defaults: float) -> Settings:
         memory_limit=parse_size(limit_text, "KVCACHED_MEMORY_LIMIT") if limit_text else None,
         gpu_utilization=env_setting("KVCACHED_GPU_UTILIZATION", float(d["gpu_utilization"])),
         idle_keep_pages=env_setting("KVCACHED_IDLE_KEEP_PAGES", int(d["idle_keep_pages"])),
+        cache_idle_s=env_setting("KVCACHED_CACHE_IDLE_S", float(d["cache_idle_s"])),
         device_budget=(parse_size_spec(budget_text, "KVCACHED_DEVICE_BUDGET")
                        if budget_text and budget_text.lower() != "none" else None),
     )
@@ -240,17 +246,24 @@ def contiguous_layout() -> bool:
     return bool(load_settings().contiguous_layout)
 
 
-#: Default cap on prefix-cached tokens an engine keeps mapped while nothing uses them.
-DEFAULT_MAX_CACHED_TOKENS = 8192
+#: Default cap on prefix-cached tokens an engine keeps mapped while nothing uses them:
+#: none (the engine's own prefix cache; see :func:`max_cached_tokens`).
+DEFAULT_MAX_CACHED_TOKENS = -1
 
 
 def max_cached_tokens() -> int | None:
-    """``KVCACHED_MAX_CACHED_TOKENS``: prefix-cached tokens kept mapped when unused.
+    """``KVCACHED_MAX_CACHED_TOKENS``: an explicit cap on prefix-cached tokens kept mapped
+    while unused.
 
-    Engines with an elastic pool evict cached prefixes beyond this many tokens
-    (whole pages first), so memory returns after a burst while hot prefixes
-    stay. ``None`` (``-1``) means no cap: the cache keeps what the engine
-    would keep.
+    By default (``None``, ``-1``) there is no cap: cached blocks stay mapped as
+    in the engine without kvcached, so its prefix-cache hits are the engine's
+    own while memory is not contended, and they go back when there is a
+    reason (the pool idles for ``KVCACHED_CACHE_IDLE_S``, another pool or the
+    device budget asks, a limit is set, the device's free memory falls below
+    the ``KVCACHED_GPU_UTILIZATION`` headroom; see
+    :mod:`kvcached_core.allocator.page_allocator`). With a cap, engines evict
+    cached prefixes beyond this many tokens on every free (vLLM) or when idle
+    (SGLang), whole pages first.
     """
     tokens = env_setting("KVCACHED_MAX_CACHED_TOKENS", DEFAULT_MAX_CACHED_TOKENS)
     return None if tokens < 0 else tokens

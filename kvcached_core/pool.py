@@ -17,7 +17,7 @@ vLLM)::
     pool = ElasticPool.remote(layout, endpoints, Device("cuda", 0, "cuda"), block_bytes=bb,
                               namespace=ns, name="kv0", fence=StepFence())
     ids = pool.blocks.alloc(4)          # None: a scheduling miss
-    pool.set_evictor(evict_cached)      # budget asks and lowered limits reach the prefix cache
+    pool.set_evictor(evict_cached)      # budget asks, limits, idle spells, headroom reach the prefix cache
     pool.close()
 
 Without a ``namespace`` the pool publishes nothing and joins no budget (a pool
@@ -214,7 +214,7 @@ class ElasticPool:
 
     def set_evictor(self, evictor: Callable[[int], int] | None) -> None:
         """The engine's eviction of whole prefix-cached pages (see
-        :meth:`PageAllocator.set_evictor`), for budget asks and lowered limits."""
+        :meth:`PageAllocator.set_evictor`): budget asks, limits, idle spells, a short headroom."""
         self.pages.set_evictor(evictor)
 
     def budget_ask(self) -> int:

@@ -179,8 +179,9 @@ def host_memory_bytes() -> int:
 
 def _device_pages(free: int, total: int, spare_handles: int, utilization: float,
                   page_bytes: int, handles_per_page: int) -> int:
-    """Pages a device with ``free`` of ``total`` bytes can still back, keeping ``1 - utilization``."""
-    headroom = max(0, free - int(total * (1.0 - utilization)))
+    """Pages a device with ``free`` of ``total`` bytes can still back, keeping ``1 - utilization``
+    free; negative: the pages it is short of that headroom."""
+    headroom = free - int(total * (1.0 - utilization))
     return headroom // page_bytes + spare_handles // max(1, handles_per_page)
 
 
@@ -295,7 +296,8 @@ class KVTensors:
         return int(self._mapper.mem_info()[1]) if self._device.is_gpu else host_memory_bytes()
 
     def free_device_pages(self, utilization: float) -> int:
-        """Page ids the device can still back while ``1 - utilization`` of it stays free.
+        """Page ids the device can still back while ``1 - utilization`` of it stays free;
+        negative: the pages it is short of that headroom.
 
         Spare handles count: a page mapped with a spare takes no new memory.
         """

@@ -95,12 +95,32 @@ pool's shared-memory segment that ``kvctl limit`` writes) the same poll applies
 a new limit at once, also on an idle engine: the reserve goes, evictable pages
 are evicted down to the limit, pages in use shrink as they are freed.
 
+Prefix cache
+------------
+Pages an engine keeps for its prefix cache (blocks nobody uses that hold a
+cached prefix) are *in use* here, as in the engine without kvcached: its
+prefix-cache hits are its own while memory is not contended. The engine
+adapter registers an *evictor* (:meth:`PageAllocator.set_evictor`) that frees
+whole pages of such blocks, least recently used first; the background thread
+calls it when there is a reason for memory to go back:
+
+* the pool has been idle (no page allocated or freed) for ``cache_idle_s``
+  (``KVCACHED_CACHE_IDLE_S``): every such page goes, after the reserve's
+  own idle trim;
+* another pool or the device budget asks, or a limit is set (below);
+* the device's free memory falls below the headroom ``gpu_utilization``
+  keeps (read every :data:`HEADROOM_POLL_S` seconds while the pool holds
+  pages), so a process that is no kvcached pool, such as a training job,
+  gets memory back too: the reserve and spare handles go first, then as many
+  cached pages as the headroom is short of.
+
 The backing
 -----------
 The allocator drives its ``kv_tensors`` through one small interface:
 ``num_pages``, ``page_bytes``, ``handles_per_page``, ``device``,
 ``map_pages``, ``unmap_pages``, ``is_mapped``, ``trim_spare_handles`` and
-``free_device_pages``. :class:`~kvcached_core.allocator.KVTensors` implements
+``free_device_pages`` (negative: pages the device is short of its headroom).
+:class:`~kvcached_core.allocator.KVTensors` implements
 it over local memory, :class:`~kvcached_core.ipc.remote.RemoteKVTensors` over
 the memory of worker processes.
 
@@ -143,7 +163,7 @@ from kvcached_core.errors import (
 from kvcached_core.sentinel import UNSET as _UNSET
 
 __all__ = ["BUDGET_WAIT_S", "CONTROL_POLL_S", "DEMAND_WINDOW_S", "GIVEBACK_FACTOR",
-           "REFILL_BATCH", "PageAllocator", "PageStats"]
+           "HEADROOM_POLL_S", "REFILL_BATCH", "PageAllocator", "PageStats"]
 
 #: Pages one background refill maps in one backing call (the reserve grows in
 #: such batches, so an allocation that needs a fresh map waits for at most one).
@@ -156,6 +176,9 @@ CONTROL_POLL_S = 0.025
 #: (only while they hold enough): a running request's next block then arrives a
 #: little late instead of the engine preempting it.
 BUDGET_WAIT_S = 0.1
+#: How often the background thread reads the device's free memory while the pool holds
+#: pages, to give cached pages back when the headroom is short (see the module docs).
+HEADROOM_POLL_S = 1.0
 #: A giveback makes room for this many times what was asked (the asking pool's
 #: next steps want about as much again).
 GIVEBACK_FACTOR = 2
@@ -165,7 +188,7 @@ _log = logging.getLogger(__name__)
 _FREE, _RESERVED, _IN_USE, _MAPPING, _UNMAPPING, _BROKEN = range(6)
 _STATE_NAMES = ("free", "reserved", "in use", "being mapped", "being unmapped", "broken")
 
-_WAIT, _STOP, _REFILL, _TRIM, _RETIRE, _READ, _CONTROL = range(7)
+_WAIT, _STOP, _REFILL, _TRIM, _RETIRE, _READ, _CONTROL, _CACHE_TRIM, _HEADROOM = range(9)
 
 
 @dataclass(frozen=True)
@@ -189,6 +212,10 @@ class PageStats:
     @property
     def mapped_bytes(self) -> int:
         return self.mapped * self.page_bytes
+
+
+def _sooner(a: float | None, b: float) -> float:
+    return b if a is None else min(a, b)
 
 
 def _wake(cond: threading.Condition) -> None:
@@ -222,6 +249,10 @@ def _refiller_loop(ref: weakref.ref[PageAllocator], cond: threading.Condition) -
                 alloc._read_phys()
             elif action == _CONTROL:
                 alloc._control()
+            elif action == _CACHE_TRIM:
+                alloc._trim_cache()
+            elif action == _HEADROOM:
+                alloc._keep_headroom()
             else:
                 alloc.trim(alloc._idle_keep)
         except Exception:  # keep the thread alive; the next activity retries
@@ -243,6 +274,8 @@ class PageAllocator:
         max_reserved: Keep at most this many mapped-but-unused pages.
         idle_trim_s: Release the reserve after this long idle (0: never).
         idle_keep: Reserved pages the idle trim leaves mapped (at most ``max_reserved``).
+        cache_idle_s: Evict the prefix cache's pages after this long idle (0: never;
+            needs an evictor, see :meth:`set_evictor`).
         memory_limit: Cap on mapped bytes (``None``: no cap).
         gpu_utilization: Leave ``1 - x`` of device memory free (on the host: of
             the memory this process may commit).
@@ -272,6 +305,7 @@ class PageAllocator:
         max_reserved: int | None = None,
         idle_trim_s: float | None = None,
         idle_keep: int | None = None,
+        cache_idle_s: float | None = None,
         memory_limit: int | None = _UNSET,
         gpu_utilization: float | None = None,
         sync_on_unmap: bool = True,
@@ -298,6 +332,8 @@ class PageAllocator:
             raise KVCachedConfigError(f"idle_keep={keep} must be >= 0")
         util = s.gpu_utilization if gpu_utilization is None else gpu_utilization
         check_range("idle_trim_s", trim_s, "KVCACHED_IDLE_TRIM_S")  # a wait beyond it overflows
+        cache_s = s.cache_idle_s if cache_idle_s is None else cache_idle_s
+        check_range("cache_idle_s", cache_s, "KVCACHED_CACHE_IDLE_S")
         if not 0 < util <= 1:
             raise KVCachedConfigError(f"gpu_utilization={util} must be in (0, 1]")
         self._kv = kv_tensors
@@ -308,6 +344,7 @@ class PageAllocator:
         self._max_reserved = min(hi, n)
         self._idle_trim_s = float(trim_s)
         self._idle_keep = min(keep, self._max_reserved)
+        self._cache_idle_s = float(cache_s)
         self._sync_on_unmap = sync_on_unmap
         self._fence = fence
         self._stamps: dict[int, int] = {}  # reserved page -> fence step it was freed in
@@ -338,6 +375,8 @@ class PageAllocator:
 
         self._last_activity = time.monotonic()
         self._idle_trimmed = False
+        self._cache_trimmed = False  # the prefix cache went back in this idle spell
+        self._next_headroom = 0.0  # when the background thread next reads the headroom
         self._refill_wanted = False
         self._refiller_busy = False
         self._stop = False
@@ -800,8 +839,8 @@ class PageAllocator:
 
     def _touch_locked(self, now: float | None = None) -> None:
         self._last_activity = time.monotonic() if now is None else now
-        if self._idle_trimmed:
-            self._idle_trimmed = False
+        if self._idle_trimmed or self._cache_trimmed:
+            self._idle_trimmed = self._cache_trimmed = False
             self._cond.notify_all()  # the refiller waits without a deadline after a trim
 
     def _map_fresh(self, taken: list[int], fresh: list[int], prefetch: bool = False) -> bool:
@@ -915,21 +954,27 @@ class PageAllocator:
             return
         self._read_phys()
 
-    def _read_phys(self) -> None:
-        """Read what the device can still back now (a driver query, outside the lock)."""
+    def _read_phys(self, force: bool = False) -> int:
+        """Read what the device can still back now (a driver query, outside the lock).
+
+        Returns the reading: pages the device can still back, negative when it
+        is short of the headroom (0 when the reading is recent and not
+        ``force``, or failed).
+        """
         now = time.monotonic()
-        if now - self._phys_at < self._mem_ttl:
-            return
+        if not force and now - self._phys_at < self._mem_ttl:
+            return 0
         self._phys_at = now  # one reader at a time; others use the last reading
         try:
             pages = self._kv.free_device_pages(self._headroom)
         except Exception:
             _log.exception("kvcached: reading the device's free memory failed")
-            return
+            return 0
         with self._cond:
             # Maps in flight may not show in the reading yet.
             self._phys_pages = max(0, pages - self._n_mapping)
             self._phys_at = time.monotonic()
+        return pages
 
     # ------------------------------------------------------------ background
 
@@ -937,6 +982,7 @@ class PageAllocator:
         if self._thread is not None or not (
             self._prealloc or self._idle_trim_s > 0 or self._fence is not None
             or self._budget is not None or self._limit_source is not None
+            or self._evictor is not None
         ):
             return
         with self._cond:
@@ -999,14 +1045,64 @@ class PageAllocator:
             self._refill_wanted = False
             self._refiller_busy = True
             return _REFILL, None
+        wait: float | None = None
+        if self._evictor is not None and self._n_in_use:
+            if now >= self._next_headroom:
+                self._next_headroom = now + HEADROOM_POLL_S
+                self._refiller_busy = True
+                return _HEADROOM, None
+            wait = self._next_headroom - now
         if self._idle_trim_s > 0 and not self._idle_trimmed:
             deadline = self._last_activity + self._idle_trim_s
             if now < deadline:
-                return _WAIT, deadline - now
+                return _WAIT, _sooner(wait, deadline - now)
             self._idle_trimmed = True
             self._refiller_busy = True
             return _TRIM, None
-        return _WAIT, None
+        if self._cache_idle_s > 0 and self._evictor is not None and not self._cache_trimmed:
+            deadline = self._last_activity + self._cache_idle_s
+            if now < deadline:
+                return _WAIT, _sooner(wait, deadline - now)
+            self._cache_trimmed = True
+            self._refiller_busy = True
+            return _CACHE_TRIM, None
+        return _WAIT, wait
+
+    def _trim_cache(self) -> None:
+        """The pool idled for ``cache_idle_s``: every whole page of prefix cache goes back
+        (background thread), then the reserve they landed in."""
+        with self._cond:
+            pages = self._n_in_use
+        before = self.num_mapped
+        start = time.monotonic()
+        if self._evict(pages):
+            self.trim(self._idle_keep)
+        with self._cond:
+            self._cache_trimmed = True  # the frees above were the trim's own, not activity
+        given = before - self.num_mapped
+        if given > 0:
+            self.givebacks.append(dict(kind="idle-cache", pages=given,
+                                       seconds=time.monotonic() - start))
+            _log.info("kvcached: idle for %.0f s, gave back %d pages of prefix cache",
+                      self._cache_idle_s, given)
+
+    def _keep_headroom(self) -> None:
+        """Give memory back while the device's free memory is below the headroom
+        (background thread): the reserve and spare handles, then cached pages."""
+        short = -self._read_phys(force=True)
+        if short <= 0:
+            return
+        start = time.monotonic()
+        before = self.num_mapped
+        short -= self._drop_reserve()
+        if short > 0 and self._evictor is not None and self._evict(short):
+            self._drop_reserve()
+        given = before - self.num_mapped
+        if given > 0:
+            self.givebacks.append(dict(kind="headroom", pages=given,
+                                       seconds=time.monotonic() - start))
+            _log.info("kvcached: the device's free memory is below the headroom "
+                      "(gpu_utilization %.2f): gave back %d pages", self._headroom, given)
 
     def _work_done(self) -> None:
         with self._cond:
@@ -1039,10 +1135,15 @@ class PageAllocator:
 
         ``evictor(n)`` frees the blocks of up to ``n`` whole pages that hold
         only evictable (cached, unused) blocks and returns how many pages it
-        freed. It is called from the background thread, for a budget's ask or
-        a lowered limit.
+        freed. It is called from the background thread, for a budget's ask, a
+        lowered limit, an idle spell of ``cache_idle_s`` or a device short of
+        its headroom (see the module docs).
         """
-        self._evictor = evictor
+        with self._cond:
+            self._evictor = evictor
+            self._cond.notify_all()
+        if evictor is not None:
+            self._ensure_refiller()
 
     @property
     def budget(self) -> Any:

@@ -156,7 +156,8 @@ class RemoteKVTensors:
         return min(int(total) for _, total, _ in self._meminfo())
 
     def free_device_pages(self, utilization: float) -> int:
-        """Page ids every worker can still back while ``1 - utilization`` of its device stays free."""
+        """Page ids every worker can still back while ``1 - utilization`` of its device stays
+        free (negative: the pages the shortest is short of that headroom)."""
         return min(_device_pages(free, total, spare, utilization, self.page_bytes,
                                  self.handles_per_page) for free, total, spare in self._meminfo())
 

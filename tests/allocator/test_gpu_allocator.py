@@ -76,3 +76,28 @@ def test_real_device_out_of_memory_rolls_back():
         hog.clear()
         torch.cuda.empty_cache()
     pa.close()
+
+
+def test_memory_another_allocation_takes_gets_cached_pages_back():
+    """A device short of its headroom (here: plain torch memory, no kvcached pool) gets
+    the pool's cached pages back, as many as it is short, within a poll or two."""
+    from tests.allocator.test_budget_giveback import FakeCache, wait_until
+
+    kv = KVTensors.open("cuda:0", KVLayout(2, 64 * PAGE, PAGE))
+    free, total = kv.mapper.mem_info()
+    # Room for 24 page ids above the kept-free share of the device.
+    util = 1.0 - (free - 24 * kv.page_bytes) / total
+    pa = PageAllocator(kv, settings=QUIET, gpu_utilization=util, cache_idle_s=0.0)
+    cache = FakeCache(pa)
+    pa.set_evictor(cache.evict)
+    used = pa.alloc_pages(2)
+    cache.cached = pa.alloc_pages(16)
+    assert used is not None and cache.cached is not None
+    blob = torch.empty(12 * kv.page_bytes, dtype=torch.uint8, device="cuda:0")  # 6 pages short
+    wait_until(lambda: kv.free_device_pages(util) >= 0, timeout=5.0)
+    evicted = 16 - len(cache.cached)
+    assert 6 <= evicted <= 9  # what the headroom was short of, not the whole cache
+    assert all(pa.page_state(p) == "in use" for p in used)
+    assert any(g["kind"] == "headroom" for g in pa.givebacks)
+    del blob
+    pa.close()
