@@ -60,6 +60,9 @@ elastic-kv-cache-buffer                >= 0.34       ``_allocate_kv_cache_buffer
 extensible-kv-cache-off                >= 0.34 (GPU) vLLM's extensible KV cache steps aside
 warmup-window                          all (GPU)     pages of the warm-up's made-up requests
 warmup-window-cpu                      >= 0.34 (CPU) ditto: the CPU worker's V2 kernel warm-up
+profiling-kv-cache                     < 0.34        V1: the throwaway KV cache of CUDA-graph
+                                                     memory profiling is vLLM's own
+profiling-kv-cache-v2                  all (GPU)     ditto, V2 runner
 kvcached-metrics                       all           ``/metrics`` shows kvcached's pools
 =====================================  ============  ==========================================
 
@@ -475,6 +478,19 @@ def wrap_compile_or_warm_up_model(original: Any) -> Any:
     return compile_or_warm_up_model
 
 
+def wrap_profile_cudagraph_memory(original: Any) -> Any:
+    """vLLM's CUDA-graph memory profiling builds, captures against and drops a throwaway
+    KV cache: vLLM allocates it (:func:`kvcached_vllm.worker.profiling_kv_cache`)."""
+    from kvcached_vllm.worker import profiling_kv_cache
+
+    @functools.wraps(original)
+    def profile_cudagraph_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with profiling_kv_cache():
+            return original(self, *args, **kwargs)
+
+    return profile_cudagraph_memory
+
+
 def wrap_get_prometheus_registry(original: Any) -> Any:
     """The registry vLLM's ``/metrics`` serves, with kvcached's collector added once."""
 
@@ -574,6 +590,11 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
                   wrapper=wrap_allocate_slots, name="exhaustion-is-a-miss",
                   description="kvcached pool exhaustion -> allocate_slots returns None"),
         # The V1 runner (gone in 0.34).
+        _deferred("vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_cudagraph_memory",
+                  versions=BEFORE_V034, wrapper=wrap_profile_cudagraph_memory,
+                  name="profiling-kv-cache",
+                  description="V1: the throwaway KV cache of CUDA-graph memory profiling is "
+                              "vLLM's own"),
         _deferred("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors",
                   versions=BEFORE_V034, wrapper=wrap_initialize_kv_cache_tensors,
                   name="elastic-kv-tensors",
@@ -622,6 +643,11 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
             _deferred("vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache", versions=BEFORE_V029,
                       wrapper=_wrap_allocation, name="elastic-allocate-kv-cache-v2-raw",
                       description="V2: per-tensor KV buffers reserved by kvcached"),
+            _deferred("vllm.v1.worker.gpu.model_runner:GPUModelRunner.profile_cudagraph_memory",
+                      versions=ALL, wrapper=wrap_profile_cudagraph_memory,
+                      name="profiling-kv-cache-v2",
+                      description="V2: the throwaway KV cache of CUDA-graph memory profiling "
+                                  "is vLLM's own"),
             _deferred("vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model", versions=ALL,
                       wrapper=wrap_compile_or_warm_up_model, name="warmup-window",
                       description="pages of the warm-up's made-up requests, until it ends"),

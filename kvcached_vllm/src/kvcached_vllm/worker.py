@@ -31,6 +31,13 @@ block sizes, a backend that allocates elsewhere) is logged in one line and
 allocated by vLLM as usual; the scheduler then finds no worker serving pages
 and keeps vLLM's own pool. ``KVCACHED_STRICT=1`` raises instead.
 
+To size its CUDA-graph memory before the real KV cache exists, vLLM builds a
+throwaway KV cache of a few blocks, captures graphs that read it and drops it
+(``profile_cudagraph_memory``, both runners). :func:`profiling_kv_cache`
+marks that window: the throwaway cache is vLLM's own allocation, so the
+graphs read real memory, vLLM's estimate is the one it makes without
+kvcached, and nothing of kvcached (backing, listener) outlives vLLM's cleanup.
+
 Before the scheduler exists, the worker warms its kernels up on made-up
 requests (vLLM's CUDA-graph capture and the V2 runner's ``warmup_kernels``):
 :func:`warmup_window` maps the pages those requests name (and the null
@@ -54,7 +61,7 @@ from kvcached_core.vmm import as_tensor, open_mapper
 from kvcached_vllm.geometry import KVGeometry, block_offset_for, page_size
 
 __all__ = ["ElasticKVBacking", "backings", "call_with_backing", "current_backing",
-           "elastic_kv_caches", "warmup_window"]
+           "elastic_kv_caches", "profiling_kv_cache", "warmup_window"]
 
 log = logging.getLogger("kvcached.vllm")
 
@@ -326,6 +333,9 @@ def elastic_kv_caches(allocate: Callable[[], dict[str, Any]], *, device: Any,
     Raises:
         KVCachedConfigError: Strict mode and the KV cache cannot be paged.
     """
+    if getattr(_local, "profiling", False):
+        log.debug("kvcached: vLLM's throwaway KV cache for CUDA-graph profiling is vLLM's own")
+        return allocate()
     backend = _backend_name(attn_groups)
     try:
         backing = ElasticKVBacking(device, kv_cache_config, backend)
@@ -365,6 +375,18 @@ def _vanilla(allocate: Callable[[], dict[str, Any]] | None, exc: BaseException,
     log.warning("kvcached: cannot page this KV cache (%s): %s; this worker keeps vLLM's own "
                 "KV cache (KVCACHED_STRICT=1 refuses instead)", what, exc)
     return None if allocate is None else allocate()
+
+
+@contextlib.contextmanager
+def profiling_kv_cache() -> Iterator[None]:
+    """Around vLLM's CUDA-graph memory profiling: a KV cache set up on this thread meanwhile
+    is vLLM's own (see the module docs)."""
+    prev = getattr(_local, "profiling", False)
+    _local.profiling = True
+    try:
+        yield
+    finally:
+        _local.profiling = prev
 
 
 @contextlib.contextmanager
