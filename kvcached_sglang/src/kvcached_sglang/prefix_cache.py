@@ -1,20 +1,19 @@
-"""Returning prefix-cache memory once SGLang's scheduler goes idle.
+"""Returning prefix-cache memory at SGLang's idle points, when there is a reason.
 
 SGLang's radix cache keeps every finished request's KV until memory pressure
-evicts it, so with an elastic pool the mapped memory would stay at its peak
-after a burst. When the scheduler is idle (the same moments SGLang runs its
-idle leak check, where :mod:`kvcached_sglang.patches` already hooks in), the
-cached tokens beyond ``KVCACHED_MAX_CACHED_TOKENS`` (default 8192, ``-1``:
-no cap) are evicted through the cache's own ``evict`` (least recently used
-leaves first). The freed slots go back to kvcached, whose emptied pages are
-unmapped after the idle trim. The hot prefixes (the most recent) stay cached.
-
-The same moment serves another engine's ask for memory (the device budget of
-:mod:`kvcached_core.ipc.budget`) or a lowered ``kvctl limit``: the pool's
-allocator gives back its reserve at once from its background thread, and asks
-:class:`~kvcached_sglang.memory_pool.ElasticKV` for whole pages of prefix cache, which
-the scheduler evicts here (least recently used first) and unmaps right away.
-A busy scheduler gives back its cache when it next goes idle.
+evicts it; with kvcached it does the same (its hits are SGLang's own) until
+the pool's allocator asks for pages back: another engine's ask for memory (the
+device budget of :mod:`kvcached_core.ipc.budget`), a lowered ``kvctl limit``,
+an idle spell of ``KVCACHED_CACHE_IDLE_S``, or a device short of its
+``KVCACHED_GPU_UTILIZATION`` headroom. The allocator gives back its reserve at
+once from its background thread and asks
+:class:`~kvcached_sglang.memory_pool.ElasticKV` for whole pages of prefix
+cache, which the scheduler evicts here, when it is idle (the same moments SGLang
+runs its idle leak check, where :mod:`kvcached_sglang.patches` already hooks
+in), through the cache's own ``evict`` (least recently used leaves first), and
+unmaps right away. A busy scheduler gives back its cache when it next goes
+idle. An explicit ``KVCACHED_MAX_CACHED_TOKENS`` cap (default: none) also
+evicts the cached tokens beyond it at every idle point.
 
 Only SGLang's plain radix cache over a pool kvcached backs is capped:
 ``RadixCache``, and from 0.5.2x the default ``UnifiedRadixCache`` when it holds

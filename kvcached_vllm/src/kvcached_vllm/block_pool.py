@@ -16,9 +16,11 @@ who owns a block:
 
 ``get_num_free_blocks`` is kvcached's ``available_size()`` plus the evictable
 blocks. Evicting goes page-aware: pages whose every allocated block is evictable
-go first (LRU among them), so evicting actually unmaps memory. The number of
-evictable blocks is capped (``KVCACHED_MAX_CACHED_TOKENS``), so memory returns
-after a burst while hot prefixes stay cached. The free queue counts its blocks
+go first (LRU among them), so evicting actually unmaps memory. Evictable blocks
+stay as long as vLLM would keep them (its prefix-cache hits are vLLM's own)
+until kvcached asks for their pages (:meth:`ElasticBlockPool.give_back_pages`:
+an idle spell, the device budget, a limit, a device short of its headroom), or
+beyond an explicit ``KVCACHED_MAX_CACHED_TOKENS`` cap. The free queue counts its blocks
 per page as they come and go, so finding whole pages costs a look at each page
 the queue touches, not at each block: the requests that finish together at the
 end of a burst each pay for what they evict, not for the size of the cache.
@@ -284,8 +286,9 @@ class ElasticBlockPool(BlockPool):
     def give_back_pages(self, n: int) -> int:
         """Evict the cached blocks of up to ``n`` pages that hold nothing else (LRU first).
 
-        The hook kvcached calls when the device budget asks for memory or a
-        lower limit arrives: only whole pages free memory, so partly used pages
+        The hook kvcached calls when the pool idles for ``KVCACHED_CACHE_IDLE_S``,
+        the device budget asks for memory, a lower limit arrives or the device is
+        short of its headroom: only whole pages free memory, so partly used pages
         keep their cached blocks. Returns the pages freed. Call it with the
         scheduler's lock held (the pool is not thread-safe).
         """
