@@ -17,16 +17,20 @@ vanilla and kvcached engines have the same block count and schedule alike;
 prefix caching is on; prompts are token ids.
 
 ``tokens``
-    The tiny Llama under each runner x mode: V2 (vLLM's default on GPUs) and V1
-    (``VLLM_USE_V2_MODEL_RUNNER=0``), CUDA graphs and ``enforce_eager``. Per
-    configuration a vanilla, a kvcached and (V2 with graphs) a second vanilla
-    engine serve one workload: prompts of 16-1500 tokens, a group sharing a
-    600-token prefix served twice (prefix-cache hits), and seeded sampling
-    requests. Greedy decoding on a GPU is not bit-reproducible across engines
-    (batch shapes pick different kernel splits), so the measure is the number
-    of sequences differing from the first vanilla engine, kvcached against the
-    vanilla-vs-vanilla control; with ``VLLM_BATCH_INVARIANT=1`` (V2, eager)
-    vanilla and kvcached must agree exactly.
+    Every model shape (:data:`TOKEN_MODELS`: head_dim 64/128/256, 2/8/1 KV heads,
+    one with sliding-window layers) x runner (V2, vLLM's default on GPUs, and V1,
+    ``VLLM_USE_V2_MODEL_RUNNER=0``) x mode (CUDA graphs, ``enforce_eager``) x KV
+    sizing (``kv_cache_memory_bytes``, or ``gpu_memory_utilization`` with vLLM's
+    memory and CUDA-graph profiling). Per configuration a vanilla engine, a
+    second vanilla engine (the A/A control) and a kvcached engine serve
+    :func:`token_workload`: several ``generate`` calls with greedy prompts of
+    16-1500 tokens, the same prompts again (prefix-cache hits), seeded sampling
+    and ``n=3``. Greedy decoding on a GPU is not bit-reproducible across engines
+    (batch shapes pick different kernel splits), so the measure is the number of
+    sequences differing from the vanilla engine, kvcached against the control,
+    and every request's ``num_cached_tokens`` equal to vanilla's; with
+    ``VLLM_BATCH_INVARIANT=1`` (V2, eager) vanilla and kvcached must agree
+    exactly. ``summary`` holds the verdict per configuration.
 ``perf``
     The 1B-shaped model. Throughput: a vanilla, a kvcached and a control
     vanilla engine live at once; ``--reps`` rounds each, rotating order with a
@@ -80,14 +84,31 @@ def log(*args) -> None:
 # ------------------------------------------------------------------ models
 
 
-def build_models(root: Path) -> dict[str, str]:
-    """The tiny Llama and the 1B-shaped one, built here (random weights, no downloads)."""
+#: The token run's model shapes (:func:`kvcached_testing.tiny_model.build_tiny_llama`):
+#: KV heads and head_dim differ; ``swa256`` has sliding-window and full-attention layers
+#: (two KV cache groups in vLLM).
+TOKEN_MODELS = {
+    "tiny": {},  # 2 layers, 2 KV heads, head_dim 64
+    "h128": dict(num_layers=8, hidden_size=1024, num_heads=8, num_kv_heads=8, head_dim=128,
+                 init_std=0.05),
+    "swa256": dict(num_layers=4, hidden_size=512, num_heads=4, num_kv_heads=1, head_dim=256,
+                   sliding_window=256, init_std=0.1),
+}
+
+
+def build_models(root: Path, phase: str) -> dict[str, str]:
+    """The token run's models (``tokens``) or the 1B-shaped one (``perf``), built here
+    (random weights, no downloads)."""
     from kvcached_testing.tiny_model import build_tiny_llama
 
-    tiny = root / "tiny"
-    if not (tiny / "config.json").exists():
-        build_tiny_llama(tiny)
+    paths = {}
+    for name, shape in (TOKEN_MODELS.items() if phase == "tokens" else ()):
+        paths[name] = str(root / name)
+        if not (root / name / "config.json").exists():
+            build_tiny_llama(root / name, **shape)
     big = root / "llama-1b-shape"
+    if phase == "tokens":
+        return paths
     if not (big / "config.json").exists():
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -103,7 +124,7 @@ def build_models(root: Path) -> dict[str, str]:
         model.save_pretrained(big, safe_serialization=True)
         del model
         torch.cuda.empty_cache()
-    return {"tiny": str(tiny), "1b": str(big)}
+    return {**paths, "1b": str(big)}
 
 
 # ------------------------------------------------------------------ engine child
@@ -132,16 +153,17 @@ def engine_child(args: argparse.Namespace) -> None:
         if cmd == "generate":
             seeds = spec.get("seeds") or [None] * len(spec["prompts"])
             params = [SamplingParams(temperature=0.0 if seed is None else spec["temperature"],
-                                     top_p=spec.get("top_p", 1.0), seed=seed,
+                                     top_p=spec.get("top_p", 1.0), seed=seed, n=spec.get("n", 1),
                                      max_tokens=spec["max_tokens"], ignore_eos=True,
                                      detokenize=False) for seed in seeds]
             batch = [{"prompt_token_ids": p} for p in spec["prompts"]]
             t = time.perf_counter()
             out = llm.generate(batch, params, use_tqdm=False)
             dt = time.perf_counter() - t
-            toks = [list(o.outputs[0].token_ids) for o in out]
+            toks = [list(c.token_ids) for o in out for c in o.outputs]
             conn.send({"seconds": dt, "generated": sum(map(len, toks)),
-                       "tokens": toks if spec.get("return_tokens", True) else None})
+                       "tokens": toks if spec.get("return_tokens", True) else None,
+                       "cached": [o.num_cached_tokens for o in out]})
         elif cmd == "metrics":
             found = {}
             try:
@@ -162,9 +184,10 @@ def engine_child(args: argparse.Namespace) -> None:
 class Engine:
     """An engine in a child process, with its own environment and log."""
 
-    def __init__(self, name: str, model: str, *, enabled: bool, kv_bytes: int,
+    def __init__(self, name: str, model: str, *, enabled: bool, kv_bytes: int | None,
                  eager: bool = False, v2: bool = True, extra_env: dict | None = None,
-                 max_num_seqs: int = 256, max_model_len: int = 4096, start: bool = True) -> None:
+                 max_num_seqs: int = 256, max_model_len: int = 4096, start: bool = True,
+                 utilization: float = 0.1) -> None:
         from multiprocessing.connection import Listener
 
         self.name = name
@@ -177,8 +200,10 @@ class Engine:
         if enabled:
             env.update(KVCACHED_IPC_NAME=self.ns, KVCACHED_STRICT="1")
         env.update(extra_env or {})
+        # kv_bytes None: the KV cache is sized by gpu_memory_utilization (vLLM profiles).
         kw = dict(model=model, dtype="bfloat16", seed=0, enable_prefix_caching=True,
-                  enforce_eager=eager, kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.1,
+                  enforce_eager=eager, kv_cache_memory_bytes=kv_bytes,
+                  gpu_memory_utilization=utilization,
                   max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                   skip_tokenizer_init=True, disable_log_stats=False)
         self.kw = kw
@@ -364,63 +389,136 @@ def kv_pages(engine: Engine) -> int:
     return mapped
 
 
-def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dict:
-    """Greedy and seeded tokens, vanilla against kvcached, per runner and mode."""
+#: The ``generate`` calls of :func:`token_workload`, in order.
+TOKEN_CALLS = ("greedy", "repeat", "seeded", "n3")
+#: ``tokens``: engines of a configuration sized by ``gpu_memory_utilization`` get this share.
+TOKEN_UTILIZATION = 0.06
+
+
+def token_workload(e: Engine) -> dict:
+    """Several ``generate`` calls on one engine: greedy prompts of 16-1500 tokens and a group
+    sharing a 600-token prefix; the same prompts again (prefix-cache hits); seeded sampling;
+    seeded sampling with ``n=3``. Tokens and each request's ``num_cached_tokens``."""
     prefix = token_prompts(1, 600, 600, seed=99)[0]
-    greedy_prompts = (token_prompts(40, 16, 1500, seed=1)
-                      + token_prompts(8, 50, 200, seed=2, prefix=prefix))
-    seeded_prompts = token_prompts(8, 100, 400, seed=3)
+    greedy = token_prompts(40, 16, 1500, seed=1) + token_prompts(8, 50, 200, seed=2, prefix=prefix)
+    seeded = token_prompts(8, 100, 400, seed=3)
+    calls = {"greedy": e.generate(greedy, 64),
+             "repeat": e.generate(greedy, 64),
+             "seeded": e.generate(seeded, 48, temperature=0.8, top_p=0.95,
+                                  seeds=list(range(100, 108))),
+             "n3": e.generate(seeded[:4], 32, temperature=0.8, top_p=0.95, n=3,
+                              seeds=list(range(200, 204)))}
+    return {k: {"tokens": v["tokens"], "cached": v["cached"]} for k, v in calls.items()}
 
-    def workload(e: Engine) -> dict:
-        a = e.generate(greedy_prompts, 64)
-        b = e.generate(greedy_prompts[-8:], 64)  # the shared-prefix group again: cache hits
-        c = e.generate(seeded_prompts, 48, temperature=0.8, top_p=0.95,
-                       seeds=list(range(100, 108)))
-        return {"greedy": a["tokens"], "prefix_again": b["tokens"], "seeded": c["tokens"]}
 
-    configs = [("v2-graphs", True, False), ("v2-eager", True, True), ("v1-eager", False, True),
-               ("v1-graphs", False, False)]
+def compare_runs(res: dict[str, dict]) -> dict:
+    """Per call: sequences differing from the vanilla engine, for kvcached and the control,
+    and requests whose ``num_cached_tokens`` differ from vanilla's."""
+    row: dict = {}
+    for part in res["vanilla"]:
+        row[part] = {n: {**differing(res["vanilla"][part]["tokens"], res[n][part]["tokens"]),
+                         "cached_tokens_differing": sum(
+                             a != b for a, b in zip(res["vanilla"][part]["cached"],
+                                                    res[n][part]["cached"])),
+                         "cached_tokens": sum(res[n][part]["cached"])}
+                     for n in res if n != "vanilla"}
+    return row
+
+
+def kv_blocks(engine: Engine) -> int | None:
+    """vLLM's KV block count as its log states it (``GPU KV cache size: N tokens``)."""
+    import re
+
+    found = re.findall(r"GPU KV cache size: ([\d,]+) tokens", engine.tail(400000))
+    return int(found[-1].replace(",", "")) if found else None
+
+
+def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str],
+                lock: threading.Lock, deadline: float) -> dict:
+    """One model x runner x mode: for each KV sizing a vanilla, a control and a kvcached engine.
+
+    The group's engines share one torch.compile cache: the first vanilla engine fills it,
+    the others load the same compiled code. Engines sized by ``gpu_memory_utilization``
+    profile the device's free memory, so they start one at a time across all groups
+    (``lock``, which every engine's exit takes too: memory another process frees while
+    vLLM profiles fails its start).
+    """
     out: dict = {}
-    for label, v2, eager in configs:
-        if args.configs and label not in args.configs:
-            continue
-        if time.monotonic() > deadline - 90:
+    cache = tempfile.mkdtemp()
+    kw = dict(eager=mode == "eager", v2=runner == "v2")
+    for sizing in sizings:
+        label = f"{model}-{runner}-{mode}-{sizing}"
+        if time.monotonic() > deadline - 60:
             out[label] = {"skipped": "time budget"}
             continue
-        names = ["vanilla", "kvcached"] + (["control"] if label == "v2-graphs" else [])
         engines: dict[str, Engine] = {}
+        t0 = time.monotonic()
+
+        def start(n: str) -> Engine:
+            return Engine(f"{label}-{n}", path, enabled=n == "kvcached",
+                          kv_bytes=TINY_KV if sizing == "bytes" else None,
+                          utilization=TOKEN_UTILIZATION, start=False,
+                          extra_env={"VLLM_CACHE_ROOT": cache}, **kw)
+
         try:
-            for n in names:  # start together: each compiles into a cache of its own
-                engines[n] = Engine(f"{label}-{n}", models["tiny"], enabled=n == "kvcached",
-                                    kv_bytes=TINY_KV, eager=eager, v2=v2, start=False,
-                                    extra_env={"VLLM_CACHE_ROOT": tempfile.mkdtemp()})
+            for n in ("vanilla", "control", "kvcached"):
+                if sizing == "util":
+                    with lock:  # one profiling start at a time, across all groups
+                        engines[n] = start(n).wait_ready()
+                elif n == "vanilla":  # alone: it fills the group's compile cache
+                    engines[n] = start(n).wait_ready()
+                else:
+                    engines[n] = start(n)
             for e in engines.values():
-                e.wait_ready()
+                if e.conn is None:
+                    e.wait_ready()
+            res = {n: token_workload(e) for n, e in engines.items()}
+            row = compare_runs(res)
             kv = engines["kvcached"]
-            row = {"kvcached_mapped_pages": {"at_start": kv_pages(kv)}}
-            res = {n: workload(e) for n, e in engines.items()}
-            row["kvcached_mapped_pages"]["after_workload"] = kv_pages(kv)
-            time.sleep(2.0)  # past the idle trim
-            row["kvcached_mapped_pages"]["idle_2s_later"] = kv_pages(kv)
-            row["init_s"] = {n: round(e.init_s, 1) for n, e in engines.items()}
-            for part in ("greedy", "prefix_again", "seeded"):
-                row[part] = {n: differing(res["vanilla"][part], res[n][part])
-                             for n in names if n != "vanilla"}
-            row["prefix_again_equals_first_pass"] = {
-                n: differing(res[n]["greedy"][-8:], res[n]["prefix_again"]) for n in names}
-            row["kvcached_log"] = engines["kvcached"].kvcached_log()
+            logs = kv.kvcached_log()
+            row.update(
+                init_s={n: round(e.init_s, 1) for n, e in engines.items()},
+                kv_tokens={n: kv_blocks(e) for n, e in engines.items()},
+                serves_kv_pages_lines=[x for x in logs if "serves KV pages" in x],
+                kvcached_mapped_pages_after=kv_pages(kv),
+                seconds=round(time.monotonic() - t0, 1), kvcached_log=logs)
             out[label] = row
             log(label, json.dumps({k: v for k, v in row.items() if k != "kvcached_log"}))
         except Exception as exc:
             out[label] = {"error": str(exc)[-3000:]}
             log(label, "FAILED", str(exc)[-3000:])
         finally:
-            for e in engines.values():
-                e.finish()
+            with lock:
+                for e in engines.values():
+                    e.finish()
+    return out
+
+
+def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dict:
+    """Every model shape x runner x mode x KV sizing, each with a vanilla A/A control; then
+    batch-invariant mode, where vanilla and kvcached must agree exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    groups = [(m, r, mode) for mode in ("graphs", "eager") for r in ("v1", "v2")
+              for m in TOKEN_MODELS]
+
+    def wanted(label: str) -> bool:
+        return not args.configs or any(label.startswith(c) or c in label.split("-")
+                                       for c in args.configs)
+
+    lock = threading.Lock()
+    out: dict = {"utilization": TOKEN_UTILIZATION, "kv_bytes": TINY_KV}
+    jobs = []
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        for m, r, mode in groups:
+            sizings = [s for s in ("bytes", "util") if wanted(f"{m}-{r}-{mode}-{s}")]
+            if sizings:
+                jobs.append(pool.submit(token_group, m, models[m], r, mode, sizings, lock,
+                                        deadline))
+        for job in jobs:
+            out.update(job.result())
     if time.monotonic() < deadline - 60 and (not args.configs or "batch-invariant" in args.configs):
-        # Batch-invariant kernels: the same batch gives the same tokens in any engine. A
-        # second vanilla engine (the control) tells a difference kvcached makes from one
-        # vLLM makes between two engines (seeded sampling differed once at position 0).
+        # Batch-invariant kernels: the same batch gives the same tokens in any engine.
         engines = {}
         try:
             for n in ("vanilla", "kvcached", "control"):
@@ -430,18 +528,36 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
                                                "VLLM_CACHE_ROOT": tempfile.mkdtemp()})
             for e in engines.values():
                 e.wait_ready()
-            res = {n: workload(e) for n, e in engines.items()}
-            out["v2-eager-batch-invariant"] = {
-                part: {n: differing(res["vanilla"][part], res[n][part]) for n in ("kvcached", "control")}
-                for part in ("greedy", "prefix_again", "seeded")}
-            log("batch invariant", json.dumps(out["v2-eager-batch-invariant"]))
+            res = {n: token_workload(e) for n, e in engines.items()}
+            out["tiny-v2-eager-bytes-batch-invariant"] = compare_runs(res)
+            log("batch invariant", json.dumps(out["tiny-v2-eager-bytes-batch-invariant"]))
         except Exception as exc:
-            out["v2-eager-batch-invariant"] = {"error": str(exc)[-3000:]}
+            out["tiny-v2-eager-bytes-batch-invariant"] = {"error": str(exc)[-3000:]}
             log("batch invariant FAILED", str(exc)[-3000:])
         finally:
             for e in engines.values():
                 e.finish()
+    out["summary"] = token_summary(out)
     return out
+
+
+def token_summary(out: dict) -> dict:
+    """Per configuration: kvcached's differing sequences against the control's, and whether
+    its ``num_cached_tokens`` equal vanilla's in every call."""
+    rows = {}
+    for label, row in out.items():
+        if not isinstance(row, dict) or "greedy" not in row:
+            if isinstance(row, dict) and ("error" in row or "skipped" in row):
+                rows[label] = "error" if "error" in row else "skipped"
+            continue
+        calls = [k for k in TOKEN_CALLS if k in row]
+        kv = sum(row[c]["kvcached"]["differing"] for c in calls)
+        ctl = sum(row[c]["control"]["differing"] for c in calls)
+        cached_ok = all(row[c]["kvcached"]["cached_tokens_differing"] == 0 for c in calls)
+        rows[label] = {"kvcached_differing": kv, "control_differing": ctl,
+                       "sequences": sum(row[c]["kvcached"]["sequences"] for c in calls),
+                       "ok": kv <= ctl and cached_ok, "cached_tokens_equal": cached_ok}
+    return rows
 
 
 def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict:
@@ -698,8 +814,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pause", type=float, default=1.5)
     ap.add_argument("--share-prompts", type=int, default=384)
     ap.add_argument("--configs", nargs="*", default=[],
-                    help="tokens: only these (v2-graphs v2-eager v1-eager v1-graphs "
-                         "batch-invariant); perf: throughput and/or share")
+                    help="tokens: only configurations whose label starts with one of these "
+                         "or has it as a part (MODEL-RUNNER-MODE-SIZING: tiny-v1-graphs-util, "
+                         "h128, graphs, util; batch-invariant); perf: throughput and/or share")
+    ap.add_argument("--parallel", type=int, default=3,
+                    help="tokens: model x runner x mode groups run at once")
     ap.add_argument("--variant", action="append", default=[],
                     help="perf throughput: one more kvcached engine, NAME:VAR=VALUE,VAR=VALUE "
                          "(e.g. held:KVCACHED_IDLE_TRIM_S=0)")
@@ -714,7 +833,7 @@ def main(argv=None) -> int:
         return 0
     deadline = time.monotonic() + args.budget
     t = time.monotonic()
-    models = build_models(Path(args.models))
+    models = build_models(Path(args.models), args.phase)
     log(f"models ready in {time.monotonic() - t:.1f} s")
     import vllm
 

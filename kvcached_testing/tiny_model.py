@@ -1,7 +1,7 @@
 """A tiny random-weight Llama checkpoint, built locally (no downloads).
 
-:func:`build_tiny_llama` writes a ``LlamaForCausalLM`` with head_dim 64 (the
-CPU attention kernels need at least 32) and a byte-level BPE tokenizer trained
+:func:`build_tiny_llama` writes a ``LlamaForCausalLM`` (head_dim 64 by default; the
+CPU attention kernels need at least 32; optionally with sliding-window layers) and a byte-level BPE tokenizer trained
 on a small synthetic corpus to a directory that vLLM can load with
 ``LLM(model=path)``. Weights are drawn with a fixed seed and a standard
 deviation large enough that greedy decoding walks through many different
@@ -56,6 +56,8 @@ def build_tiny_llama(
     hidden_size: int = 128,
     num_heads: int = 2,
     num_kv_heads: int = 2,
+    head_dim: int = 64,
+    sliding_window: int | None = None,
     max_position_embeddings: int = 4096,
     seed: int = 0,
     init_std: float = 0.3,
@@ -65,9 +67,13 @@ def build_tiny_llama(
     Args:
         path: Output directory (created if missing).
         num_layers: Decoder layers.
-        hidden_size: Model width; ``hidden_size // num_heads`` must be 64.
+        hidden_size: Model width.
         num_heads: Query heads.
         num_kv_heads: Key/value heads.
+        head_dim: Width of one attention head (the CPU attention kernels need >= 32).
+        sliding_window: When set, every other layer (the first, the third, ...) attends
+            to this many tokens back (``layer_types``, as vLLM's Llama reads them): a
+            model with sliding-window and full-attention layers.
         max_position_embeddings: Longest context the model accepts.
         seed: Seed for the weights and the tokenizer corpus.
         init_std: Standard deviation of the random weights.
@@ -76,8 +82,8 @@ def build_tiny_llama(
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    if hidden_size // num_heads != 64:
-        raise ValueError("the tiny model keeps head_dim at 64 (CPU attention needs >= 32)")
+    if head_dim < 32:
+        raise ValueError(f"head_dim={head_dim}: the CPU attention kernels need at least 32")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -104,7 +110,7 @@ def build_tiny_llama(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=64,
+        head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
@@ -113,6 +119,10 @@ def build_tiny_llama(
         torch_dtype="bfloat16",
         initializer_range=init_std,
     )
+    if sliding_window is not None:
+        config.sliding_window = sliding_window
+        config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(num_layers)]
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
