@@ -114,6 +114,46 @@ def bench_batched(device: str, pages: int, batch: int) -> dict:
             "shrink_with_sync_us_per_page": round(median(shrink) / batch, 3)}
 
 
+def bench_threads(device: str, pages: int, counts=(1, 2, 4, 8), repeats: int = 3) -> dict:
+    """Wall time per page when ``n`` threads, each with a mapper of its own (a mapper
+    serialises its calls), map and unmap ``pages // n`` pages at once: whether the driver
+    lets map calls overlap, so that a large grow could be split across threads. Cold (new
+    handles) and recycled (spare handles) grows."""
+    import threading
+
+    out: dict = {"pages": pages}
+    for n in counts:
+        per = pages // n
+        mappers = [open_mapper(device, PAGE) for _ in range(n)]
+        vts = [m.reserve(per * PAGE) for m in mappers]
+        ids = list(range(per))
+
+        def run(op) -> float:
+            threads = [threading.Thread(target=op, args=(m, vt)) for m, vt in zip(mappers, vts)]
+            t = time.perf_counter()
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            return (time.perf_counter() - t) * 1e6 / (per * n)
+
+        cold, recycled, shrink = [], [], []
+        for _ in range(repeats):
+            for m in mappers:
+                m.trim_pool(0)
+            cold.append(run(lambda m, vt: m.map([vt], ids)))
+            shrink.append(run(lambda m, vt: m.unmap([vt], ids, synchronize=False)))
+            recycled.append(run(lambda m, vt: m.map([vt], ids)))
+            for m, vt in zip(mappers, vts):
+                m.unmap([vt], ids, synchronize=False)
+        for m in mappers:
+            m.trim_pool(0)
+        out[f"threads_{n}"] = {"cold_grow_us_per_page": round(median(cold), 2),
+                               "recycled_grow_us_per_page": round(median(recycled), 2),
+                               "shrink_us_per_page": round(median(shrink), 2)}
+    return out
+
+
 def bench_unmap_sync(device: str, pages: int) -> dict:
     """Cost of the device synchronisation an unmap does before touching a page."""
     mapper = open_mapper(device, PAGE)
@@ -312,6 +352,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bandwidth-gib", type=int, default=8)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mapper-<backend>.json)")
+    ap.add_argument("--only-threads", action="store_true",
+                    help="only the threaded map measurement (bench_threads)")
     args = ap.parse_args(argv)
 
     from kvcached_core.device import parse_device
@@ -332,6 +374,12 @@ def main(argv=None) -> int:
 
         result["gpu"] = torch.cuda.get_device_name(dev.index)
         result["torch"] = torch.__version__
+    result["threads"] = bench_threads(args.device, 4 * args.pages)
+    if args.only_threads:
+        out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"mapper-threads-{dev.backend}.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["threads"]))
+        return 0
     result["latency"] = bench_latency(args.device, dev.backend, dev.index, args.pages, args.rounds)
     result["latency"].update(bench_unmap_sync(args.device, args.pages))
     result["batched"] = bench_batched(args.device, args.pages, 32)
