@@ -457,7 +457,7 @@ def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str
         def start(n: str) -> Engine:
             return Engine(f"{label}-{n}", path, enabled=n == "kvcached",
                           kv_bytes=TINY_KV if sizing == "bytes" else None,
-                          utilization=TOKEN_UTILIZATION, start=False,
+                          utilization=TOKEN_UTILIZATION, start=False, max_num_seqs=64,
                           extra_env={"VLLM_CACHE_ROOT": cache}, **kw)
 
         try:
@@ -524,6 +524,7 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
             for n in ("vanilla", "kvcached", "control"):
                 engines[n] = Engine(f"bi-{n}", models["tiny"], enabled=n == "kvcached",
                                     kv_bytes=TINY_KV, eager=True, v2=True, start=False,
+                                    max_num_seqs=64,
                                     extra_env={"VLLM_BATCH_INVARIANT": "1",
                                                "VLLM_CACHE_ROOT": tempfile.mkdtemp()})
             for e in engines.values():
