@@ -10,6 +10,9 @@ insert it). No distribution ships this package: the wheels take only
 ``vllm_cpu``
     the tiny vLLM engine on CPU: its geometry, token-id prompts, a KV cache config
     shaped like its own, and vLLM's block pool beside kvcached's elastic one.
+``vllm_serve``
+    ``vllm serve`` in a subprocess, and a vanilla control that tells a host where the
+    engine itself cannot serve from a kvcached failure.
 ``shared_budget``
     two engines sharing one device budget: giveback and live limits
     (``tests/vllm/test_shared_budget.py``, ``benchmarks/bench_vllm_share.py``).
