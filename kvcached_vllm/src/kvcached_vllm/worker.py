@@ -311,14 +311,19 @@ def current_backing() -> ElasticKVBacking | None:
 
 
 @contextlib.contextmanager
-def _serving(backing: ElasticKVBacking) -> Iterator[None]:
-    """Allocations on this thread inside the block are served by ``backing``."""
-    prev = getattr(_local, "backing", None)
-    _local.backing = backing
+def _on_this_thread(name: str, value: Any) -> Iterator[None]:
+    """This thread's ``name`` is ``value`` inside the block (then what it was)."""
+    prev = getattr(_local, name, None)
+    setattr(_local, name, value)
     try:
         yield
     finally:
-        _local.backing = prev
+        setattr(_local, name, prev)
+
+
+def _serving(backing: ElasticKVBacking) -> contextlib.AbstractContextManager[None]:
+    """Allocations on this thread inside the block are served by ``backing``."""
+    return _on_this_thread("backing", backing)
 
 
 def elastic_kv_caches(allocate: Callable[[], dict[str, Any]], *, device: Any,
@@ -377,16 +382,10 @@ def _vanilla(allocate: Callable[[], dict[str, Any]] | None, exc: BaseException,
     return None if allocate is None else allocate()
 
 
-@contextlib.contextmanager
-def profiling_kv_cache() -> Iterator[None]:
+def profiling_kv_cache() -> contextlib.AbstractContextManager[None]:
     """Around vLLM's CUDA-graph memory profiling: a KV cache set up on this thread meanwhile
     is vLLM's own (see the module docs)."""
-    prev = getattr(_local, "profiling", False)
-    _local.profiling = True
-    try:
-        yield
-    finally:
-        _local.profiling = prev
+    return _on_this_thread("profiling", True)
 
 
 @contextlib.contextmanager
