@@ -57,7 +57,7 @@ class _SharedDevice(KVTensors):
     """Real host pages on a device of ``capacity`` pages above its headroom, shared with
     another process (no kvcached pool) that holds ``taken`` of them."""
 
-    capacity = 12
+    capacity = 20
     taken = 0
 
     def free_device_pages(self, utilization: float) -> int:
@@ -72,10 +72,10 @@ def test_a_device_short_of_its_headroom_gets_the_reserve_then_cached_pages():
     used = pa.alloc_pages(2)
     cache.cached = pa.alloc_pages(6)
     pa.free_pages(pa.alloc_pages(3))  # 3 reserved
-    assert kv.free_device_pages(0.95) == 1
+    assert kv.free_device_pages(0.95) == 9
     time.sleep(1.2)  # a poll or two with room to spare: nothing goes
     assert len(cache.cached) == 6 and pa.num_reserved == 3
-    kv.taken = 6  # another process takes memory: the device is 5 pages short
+    kv.taken = 14  # another process takes memory: the device is 5 pages short
     wait_until(lambda: len(cache.cached) <= 4, timeout=3.0)
     assert pa.num_reserved == 0  # the reserve went first, then 2 cached pages
     assert len(cache.cached) == 4 and all(pa.page_state(p) == "in use" for p in used)
