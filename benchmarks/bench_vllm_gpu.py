@@ -568,14 +568,15 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
         cache = tempfile.mkdtemp()
         # A primer fills torch.compile's cache; the measured engines then all start
         # together from it, so they run the same compiled code and their start times compare.
-        primer = Engine("primer", models["1b"], enabled=False, kv_bytes=PERF_KV,
+        kv_bytes = int(args.kv_gib * GIB)
+        primer = Engine("primer", models["1b"], enabled=False, kv_bytes=kv_bytes,
                         max_num_seqs=args.max_num_seqs, extra_env={"VLLM_CACHE_ROOT": cache})
         primer_s = primer.init_s
         primer.finish()
         variants = dict(parse_variant(v) for v in args.variant)
         for n in ("vanilla", "kvcached", *variants, "control"):
             engines[n] = Engine(n, models["1b"], enabled=n != "vanilla" and n != "control",
-                                kv_bytes=PERF_KV, max_num_seqs=args.max_num_seqs, start=False,
+                                kv_bytes=kv_bytes, max_num_seqs=args.max_num_seqs, start=False,
                                 extra_env={"VLLM_CACHE_ROOT": cache, **variants.get(n, {}),
                                            **stacks_env(args, n)})
         for n, e in list(engines.items()):
@@ -638,6 +639,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
         base = min(v for _, v in after) if after else 0
         settle = next((t for t, v in after if v <= base + 256 * (1 << 20)), None)
         return {
+            "kv_gib": args.kv_gib,
             "prompts": args.prompts, "prompt_len": [256, 1024], "max_tokens": args.max_tokens,
             "reps": len(rounds["kvcached"]), "pause_s": args.pause,
             "tokens_per_s": {n: round(tps(n), 1) for n in engines},
@@ -813,6 +815,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--pause", type=float, default=1.5)
+    ap.add_argument("--kv-gib", type=float, default=PERF_KV / GIB,
+                    help="perf throughput: every engine's KV budget (GiB)")
     ap.add_argument("--share-prompts", type=int, default=384)
     ap.add_argument("--configs", nargs="*", default=[],
                     help="tokens: only configurations whose label starts with one of these "
