@@ -60,9 +60,25 @@ def command_line() -> str:
     return "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
 
 
+def source_commit() -> str | None:
+    """The commit the run's code is (``git rev-parse HEAD``; where the checkout travelled
+    without its history, as to a GPU machine, ``KVCACHED_COMMIT``)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    except OSError:
+        pass
+    return os.environ.get("KVCACHED_COMMIT") or None
+
+
 def run_info(benchmark: str, **fields: Any) -> dict[str, Any]:
-    """The head of a results file: benchmark name, command line, ``fields``, then the machine."""
-    return {"benchmark": benchmark, "command": command_line(), **fields,
+    """The head of a results file: benchmark name, command line, commit, ``fields``, then the
+    machine."""
+    return {"benchmark": benchmark, "command": command_line(), "commit": source_commit(), **fields,
             "cpus": len(os.sched_getaffinity(0)), "host": platform.node(),
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
