@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -95,14 +96,43 @@ def print_table(latency: dict[str, dict[str, float]], title: str) -> None:
         print(f"{key:<18}{r['median_us']:>10}{r['p90_us']:>9}{r['p99_us']:>9}")
 
 
+#: The checkout these benchmarks run from.
+ROOT = Path(__file__).resolve().parents[1]
+_IPC_DIR = re.compile(r"/tmp/kvcached-\d+/|/run/user/\d+/kvcached/")
+_LOCAL_PATH = re.compile(r"(?<![\w.$])/(?:work|root|home|tmp|var/tmp)(?:/[^\s\"',;:()\[\]]+)*")
+
+
+def portable(value: Any) -> Any:
+    """``value`` with no path of the machine it ran on: the checkout becomes relative (``.``),
+    kvcached's IPC directory ``$KVCACHED_IPC_DIR``, any other path under a home, work or
+    temporary folder ``$LOCAL/`` and its last two parts (an output folder, a temporary
+    model). Installed software's paths (``/usr``, ``/opt``) stay: they tell the host."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    root = str(ROOT)
+    text = value.replace(root + "/", "").replace(root, ".")
+    text = _IPC_DIR.sub("$KVCACHED_IPC_DIR/", text)
+    return _LOCAL_PATH.sub(lambda m: "$LOCAL/" + "/".join(m.group(0).split("/")[-2:]), text)
+
+
+def save_json(path: str | Path, result: dict[str, Any], indent: int = 2) -> Path:
+    """Write a results file (parents created), with no local path (:func:`portable`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(portable(result), indent=indent) + "\n")
+    return path
+
+
 def write_result(out: str | Path, result: dict[str, Any], title: str) -> Path:
-    """Write ``result`` as indented JSON to ``out`` (parents created), print its table.
+    """Write ``result`` as indented JSON to ``out`` (:func:`save_json`), print its table.
 
     The table (headed ``title``) is of ``result["latency"]``; returns the path written.
     """
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = save_json(out, result)
     print_table(result["latency"], title)
     print(f"wrote {path}")
     return path

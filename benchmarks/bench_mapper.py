@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from _timing import save_json
+
 from kvcached_core import _native
 from kvcached_core.vmm import as_tensor, open_mapper
 
@@ -376,8 +378,8 @@ def main(argv=None) -> int:
         result["torch"] = torch.__version__
     result["threads"] = bench_threads(args.device, 4 * args.pages)
     if args.only_threads:
-        out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"mapper-threads-{dev.backend}.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.out or Path(__file__).parent / "results" / f"mapper-threads-{dev.backend}.json",
+                  result)
         print(json.dumps(result["threads"]))
         return 0
     result["latency"] = bench_latency(args.device, dev.backend, dev.index, args.pages, args.rounds)
@@ -392,9 +394,8 @@ def main(argv=None) -> int:
             for block in (32 << 10, 4 << 10)]
         result["interference"] = bench_interference(dev.torch_device, 256, 15)
 
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"mapper-{dev.backend}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = save_json(args.out or Path(__file__).parent / "results" / f"mapper-{dev.backend}.json",
+                    result)
     lat = result["latency"]
     print(f"{'per 2 MiB page':<16}{'from Python':>12}{'ratio':>8}{'in C++':>10}{'ratio':>8}{'raw us':>10}")
     for key in ("cold_grow", "recycled_grow", "shrink", "shrink_release"):

@@ -843,7 +843,7 @@ def main(argv=None) -> int:
     log(f"models ready in {time.monotonic() - t:.1f} s")
     import vllm
 
-    from _timing import run_info
+    from _timing import run_info, save_json
 
     result = run_info(f"vllm-gpu-{args.phase}", vllm=vllm.__version__,
                       gpu=subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
@@ -854,9 +854,7 @@ def main(argv=None) -> int:
     result["torch"] = torch.__version__
     result.update(tokens_phase(models, args, deadline) if args.phase == "tokens"
                   else perf_phase(models, args, deadline))
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = save_json(args.out, result, indent=1)
     log("wrote", path)
     return 0
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _timing import run_info
+from _timing import run_info, save_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # kvcached_testing
@@ -52,9 +52,7 @@ def main() -> None:
     import vllm
 
     out = {**run_info(name, vllm=vllm.__version__), **result}
-    path = Path(args.out or ROOT / "benchmarks" / "results" / f"{name}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    path = save_json(args.out or ROOT / "benchmarks" / "results" / f"{name}.json", out)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")
 
