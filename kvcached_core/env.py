@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from kvcached_core import legacy_env
 from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.spelling import parse_bool, shown
 
 __all__ = [
     "KVCachedConfigError",
@@ -38,21 +39,6 @@ __all__ = [
 _N = TypeVar("_N", int, float)
 
 _LONG_INT_RE = re.compile(r"^[+-]?\d+$")  # an integer, however long
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-#: Longest value text an error message quotes in full.
-_SHOWN_CHARS = 40
-
-
-def shown(text: str, quote: bool = False) -> str:
-    """``text`` for an error message: quoted with ``quote``, abbreviated when long."""
-    text = str(text)
-    if len(text) <= _SHOWN_CHARS:
-        return repr(text) if quote else text
-    head = text[:_SHOWN_CHARS]
-    return f"{head!r}... ({len(text)} characters)" if quote else f"{head}... ({len(text)} characters)"
 
 
 def _read(name: str) -> tuple[str, str] | None:
@@ -79,23 +65,6 @@ def env_bool(name: str, default: bool) -> bool:
     """
     found = _read(name)
     return default if found is None else parse_bool(*found)
-
-
-def parse_bool(label: str, value: str) -> bool:
-    """``value`` of variable ``label`` as a boolean (1/0/true/false/yes/no/on/off).
-
-    Raises:
-        KVCachedConfigError: The value is none of the accepted spellings.
-    """
-    lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise KVCachedConfigError(
-        f"{label}={shown(value.strip(), quote=True)} is not a boolean "
-        "(use 1/0/true/false/yes/no/on/off)"
-    )
 
 
 def _env_number(

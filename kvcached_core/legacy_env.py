@@ -44,12 +44,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvcached_core.errors import KVCachedConfigError
+from kvcached_core.spelling import parse_bool
 
 __all__ = ["ALIASES", "REJECTED", "SAME_NAME", "Alias", "lookup", "check_environment"]
 
 def _bool_text(name: str, value: str) -> str:
-    from kvcached_core.env import parse_bool  # env reads settings through this module
-
     return "1" if parse_bool(name, value) else "0"
 
 

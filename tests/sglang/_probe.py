@@ -220,7 +220,7 @@ def check_paged(ps: int = 16) -> dict[str, Any]:
     """
     import torch
 
-    from kvcached_sglang.patches import paged_allocator_elastic
+    from kvcached_sglang.paged_lines import paged_allocator_elastic
 
     pool = make_pool(4096, page_size=ps)
     state = getattr(pool, "_kvcached", None)

@@ -33,7 +33,7 @@ from typing import Any
 from kvcached_core.errors import KVCachedConfigError
 
 from kvcached_sglang.leakcheck import in_leak_check_view
-from kvcached_sglang.patches import paged_allocator_elastic
+from kvcached_sglang.paged_lines import paged_allocator_elastic
 
 __all__ = [
     "ElasticKV",

@@ -96,6 +96,8 @@ from typing import Any
 from kvcached_core.errors import PatchError
 from kvcached_core.plugins import Patch
 
+from kvcached_sglang.paged_lines import PAGED_LINES, paged_allocator_elastic, paged_patch_name
+
 __all__ = ["LEAK_CHECK_LAYOUTS", "build_patches", "leak_check_layout", "paged_allocator_elastic"]
 
 _SCHED = "sglang.srt.managers.scheduler"
@@ -163,30 +165,6 @@ _PAGED_SOURCE = {
     "free": ("free_index // self.page_size",),
     "_release_page_ids": ("page_ids",),
 }
-#: Paged-allocator release lines whose every free path kvcached covers:
-#: (specifier, module, extra methods). 0.5.16 - 0.5.22 are left out (not checked);
-#: their paged pools keep SGLang's buffers.
-_PAGED_LINES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
-    (">=0.4.9.dev0,<0.5.13.dev0", "sglang.srt.mem_cache.allocator", (), ""),
-    (">=0.5.13.dev0,<0.5.16.dev0", "sglang.srt.mem_cache.allocator.paged", (), "-pkg"),
-    (">=0.5.23.dev0,<0.5.24.dev0", "sglang.srt.mem_cache.allocator.paged",
-     ("_release_page_ids",), "-sink"),
-)
-
-
-def _paged_name(method: str, suffix: str) -> str:
-    """The patch name of a paged-allocator method on one release line of :data:`_PAGED_LINES`."""
-    return f"elastic-paged-allocator-{method.lstrip('_')}{suffix}"
-
-
-def paged_allocator_elastic() -> bool:
-    """Whether kvcached's paged allocator (``PagedTokenToKVPoolAllocator``) is in place in this
-    process: the patch registry's answer for ``alloc_extend`` on any release line."""
-    from kvcached_core.plugins import is_applied
-
-    return any(is_applied(_paged_name("alloc_extend", suffix)) for *_, suffix in _PAGED_LINES)
-
-
 def leak_check_layout(version: Any) -> str | None:
     """``"A"``..``"D"``: where this SGLang release keeps its idle leak check (None: unknown)."""
     from kvcached_core.plugins import version_matches
@@ -404,12 +382,12 @@ def build_patches(version: Any) -> list[Patch]:
     # Paged allocator (page size > 1): SGLang's kernels over pages kvcached hands out.
     from kvcached_sglang.allocator import PAGED_ALLOCATOR_METHODS
 
-    for spec, module, extra, suffix in _PAGED_LINES:
+    for spec, module, extra, suffix in PAGED_LINES:
         for meth in PAGED_ALLOCATOR_METHODS + extra:
             patches.append(Patch(
                 f"{module}:PagedTokenToKVPoolAllocator.{meth}", versions=spec,
                 wrapper=_allocator_wrapper(version, meth, "PagedTokenToKVPoolAllocator"),
-                name=_paged_name(meth, suffix),
+                name=paged_patch_name(meth, suffix),
                 description="whole pages drawn from kvcached blocks; SGLang's kernels lay out "
                             "the slots"))
 

@@ -93,7 +93,7 @@ def static_reason(obj: Any) -> str | None:
     args = getattr(obj, "server_args", None)
     page = getattr(obj, "page_size", None) or getattr(args, "page_size", 1) or 1
     if page != 1:
-        from kvcached_sglang.patches import paged_allocator_elastic
+        from kvcached_sglang.paged_lines import paged_allocator_elastic
 
         if not paged_allocator_elastic():
             return f"page size {page} (this release's paged allocator is not elastic)"

@@ -55,6 +55,7 @@ from kvcached_core.ipc.paths import accepts_connections
 from kvcached_core.pool import ElasticPool
 
 from kvcached_vllm.geometry import KVGeometry, block_offset_for
+from kvcached_vllm.namespace import instance_namespace
 
 __all__ = [
     "ElasticRuntime",
@@ -76,19 +77,6 @@ SETTINGS = dict(idle_trim_s=1.0, idle_keep_pages=1)
 #: 512 tokens) while the workers map about 40 GB/s: the reserve follows the
 #: allocation rate up to this many bundles, mapped while the step runs.
 GPU_SETTINGS = dict(SETTINGS, max_reserved_pages=64)
-
-
-def instance_namespace(vllm_config: Any) -> str:
-    """The IPC namespace shared by the engine core and the workers of one engine.
-
-    ``KVCACHED_IPC_NAME`` when set; else derived from vLLM's ``instance_id``
-    (every process of an engine gets the same ``VllmConfig``) and the data
-    parallel rank.
-    """
-    from kvcached_core.ipc import namespace
-
-    dp = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
-    return namespace(f"vllm-{vllm_config.instance_id}-dp{dp}")
 
 
 @dataclass

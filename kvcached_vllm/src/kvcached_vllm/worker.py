@@ -59,6 +59,7 @@ from kvcached_core.plugins.rebind import reads_global, with_globals
 from kvcached_core.vmm import as_tensor, open_mapper
 
 from kvcached_vllm.geometry import KVGeometry, block_offset_for, page_size
+from kvcached_vllm.namespace import instance_namespace
 
 __all__ = ["ElasticKVBacking", "backings", "call_with_backing", "current_backing",
            "elastic_kv_caches", "profiling_kv_cache", "warmup_window"]
@@ -232,8 +233,6 @@ class ElasticKVBacking:
     def start_listener(self, vllm_config: Any) -> None:
         """Serve the scheduler's map / unmap requests on this worker's socket."""
         from kvcached_core.ipc import WorkerListener
-
-        from kvcached_vllm.scheduler import instance_namespace
 
         rank, stage = _parallel_ranks()
         self.namespace = instance_namespace(vllm_config)
