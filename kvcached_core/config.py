@@ -26,7 +26,7 @@ KVCACHED_FAULTS                 off      rules          fault injection for test
                                                         (see kvcached_core.faults)
 ==============================  =======  =============  ======================================
 
-Every numeric setting has an accepted range (:data:`RANGES`, the README's
+Every numeric setting has an accepted range (:data:`RANGES`, docs/settings.md's
 settings table lists the same); a value outside it, a non-finite one or one
 too large to represent is a :class:`KVCachedConfigError` naming the variable
 and the value, raised when the setting is read.
