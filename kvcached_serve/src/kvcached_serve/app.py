@@ -218,8 +218,13 @@ def create_app(controller: Controller) -> Starlette:
     async def health(request: Request) -> Response:
         initial = getattr(request.app.state, "initial", None)
         ready = controller.started and not controller.stopping and initial is not None and initial.done()
+        described = controller.describe()
         body = {"status": "ok" if ready else ("stopping" if controller.stopping else "starting"),
-                "models": {d["id"]: d["state"] for d in controller.describe()}}
+                "models": {d["id"]: d["state"] for d in described},
+                "engines": {d["id"]: {k: d[k] for k in ("engine", "device", "state", "sleep_mode",
+                                                        "namespace", "pid", "inflight", "queued",
+                                                        "kv_mapped_bytes", "last_error")}
+                            for d in described}}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics_route(request: Request) -> Response:

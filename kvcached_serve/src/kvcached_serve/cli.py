@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvcached_serve.config import ConfigError, load_config
 
@@ -51,9 +52,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvcached_serve.app import create_app
     from kvcached_serve.controller import Controller
 
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a SIGINT / SIGTERM it handled (every engine stopped)
+        ends the process with status 0 instead of being raised again after the shutdown."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
     app = create_app(Controller(cfg))
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port,
-                                           log_level=args.log_level, access_log=False,
-                                           timeout_graceful_shutdown=5))
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
+                                   access_log=False, timeout_graceful_shutdown=5))
     server.run()
     return 0 if server.started else 1

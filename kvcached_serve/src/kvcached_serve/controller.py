@@ -199,6 +199,8 @@ class Controller:
             NotReady: The queue is full, or the model was not ready in time.
         """
         m = self.models[name]
+        if m.state == "awake" and not m.engine.running:
+            self._engine_exited(m)  # found before the watcher's next look
         if m.state == "awake":
             m.inflight += 1
             m.last_used = time.monotonic()
@@ -358,7 +360,9 @@ class Controller:
         m.task = asyncio.current_task()
         await self._wake(m, delay)
 
-    async def _on_exit(self, m: ModelRuntime) -> None:
+    def _engine_exited(self, m: ModelRuntime) -> None:
+        """``m`` was awake and its engine is gone: it fails now (no request is sent to it
+        any more), and its remains are cleaned up and it restarts in the background."""
         code = m.engine.proc.poll() if m.engine.proc else None
         up = time.monotonic() - m.engine.started_at
         m.state = "failed"
@@ -369,6 +373,9 @@ class Controller:
         self.metrics.crashes.labels(m.cfg.name).inc()
         if up >= self.cfg.restart.reset_after_s:
             m.failures = 0
+        m.task = asyncio.create_task(self._recover(m), name=f"recover-{m.cfg.name}")
+
+    async def _recover(self, m: ModelRuntime) -> None:
         await asyncio.to_thread(m.engine.stop)  # the rest of its group, its kvcached records
         self._schedule_restart(m)
 
@@ -379,7 +386,7 @@ class Controller:
             now = time.monotonic()
             for m in self.models.values():
                 if m.state == "awake" and not m.engine.running:
-                    await self._on_exit(m)
+                    self._engine_exited(m)
                 elif (m.state == "awake" and m.cfg.idle.sleep_after_s is not None
                       and m.inflight == 0 and m.waiting == 0
                       and now - m.last_used >= m.cfg.idle.sleep_after_s

@@ -209,8 +209,9 @@ class EngineProcess:
         code = None
         if proc is not None:
             pgid = proc.pid  # leader of its own group (start_new_session)
-            deadline = time.monotonic() + grace_s
-            if proc.poll() is None:
+            crashed = proc.poll() is not None  # what it started has no one to stop it
+            deadline = time.monotonic() + (0.0 if crashed else grace_s)
+            if not crashed:
                 # The server first, alone: it shuts its engine core / scheduler down itself, and
                 # their resource tracker then unlinks their shared memory. SIGTERM to the whole
                 # group at once would take the tracker down before it could.
