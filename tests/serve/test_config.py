@@ -98,3 +98,35 @@ def test_check_prints_the_resolved_config(tmp_path: Path):
     resolved = json.loads(out.stdout)
     assert resolved["models"][0]["device"] == "cpu" and resolved["queue"]["timeout_s"] == 120
     assert resolved["models"][0]["weight_bytes"] is None  # measured only with a weight_capacity
+
+
+def test_engine_command_and_environment(tmp_path: Path):
+    """What each engine is started with: kvcached on, its namespace, the budget, its share;
+    on a GPU the engine's own sleep mode, on the CPU none (the process stops instead)."""
+    from kvcached_serve.config import parse_config
+    from kvcached_serve.engines import EngineProcess, sleep_mode_for
+
+    cfg = parse_config({"device_budget": "64M", "namespace_prefix": "p-", "shm_dir": "/s",
+                        "models": [
+                            *_models(tmp_path, kv_share=0.25, args={"max_model_len": 2048},
+                                     env={"EXTRA": "1"}),
+                            {"name": "g", "engine": "vllm", "model": "org/m", "device": "cuda:1"},
+                            {"name": "s", "engine": "sglang", "model": "org/s", "device": "cuda:0",
+                             "python": "/envs/sg/bin/python"}]})
+    a, g, s = (EngineProcess(cfg, m, tmp_path) for m in cfg.models)
+    cmd, env = a.command(), a.environment()
+    assert cmd[3:6] == ["serve", str(tmp_path / "m"), "--host"]
+    assert cmd[cmd.index("--served-model-name") + 1] == "a" and "--enable-sleep-mode" not in cmd
+    assert cmd[-2:] == ["--max-model-len", "2048"]
+    assert env["KVCACHED_ENABLED"] == "1" and env["KVCACHED_IPC_NAME"] == "p-a"
+    assert env["KVCACHED_DEVICE_BUDGET"] == str(64 << 20)
+    assert env["KVCACHED_MEMORY_LIMIT"] == str(16 << 20) and env["KVCACHED_SHM_DIR"] == "/s"
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["EXTRA"] == "1"
+    assert sleep_mode_for(cfg, cfg.models[0]) == "process"
+    assert sleep_mode_for(cfg, cfg.models[1]) == "engine"
+    assert "--enable-sleep-mode" in g.command()
+    genv = g.environment()
+    assert genv["CUDA_VISIBLE_DEVICES"] == "1" and genv["VLLM_SERVER_DEV_MODE"] == "1"
+    scmd = s.command()
+    assert scmd[:3] == ["/envs/sg/bin/python", "-m", "sglang.launch_server"]
+    assert "--enable-memory-saver" in scmd and scmd[scmd.index("--model-path") + 1] == "org/s"
