@@ -1,6 +1,6 @@
 """Many models on one device: kvcached-serve's shared budget against a static split, one trace.
 
-    .venv-vllm/bin/python benchmarks/bench_serve.py                  # CPU, tiny models, ~8 min
+    .venv-vllm/bin/python benchmarks/bench_serve.py                  # CPU, tiny models, ~6 min
     .venv-vllm/bin/python benchmarks/bench_serve.py --duration 60    # shorter
 
 The same seeded trace is replayed twice through the same endpoint (``kvcached-serve``, so
@@ -133,6 +133,19 @@ def controller_config(mode: str, model: Path, names: list[str], budget: int, wor
     return cfg
 
 
+async def sse_lines(response: Any) -> Any:
+    """A streamed response's lines, split at b"\\n" only: generated text may hold U+2028 or
+    U+0085, which ``aiter_lines`` also splits at, cutting a JSON event in two."""
+    buf = b""
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if buf:
+        yield buf
+
+
 async def _one(client: Any, url: str, req: dict[str, Any], t0: float) -> dict[str, Any]:
     """One streamed completion, timed from its scheduled arrival."""
     arrival = t0 + req["t"]
@@ -148,11 +161,11 @@ async def _one(client: Any, url: str, req: dict[str, Any], t0: float) -> dict[st
                 rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 return rec
             pieces = []
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in sse_lines(r):
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 obj = json.loads(data)
                 if "error" in obj:
@@ -369,13 +382,13 @@ def _commit() -> str | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=int, default=3)
-    p.add_argument("--duration", type=float, default=120.0, help="trace length, seconds")
-    p.add_argument("--rate", type=float, default=3.0, help="requests/s, all models together")
+    p.add_argument("--duration", type=float, default=90.0, help="trace length, seconds")
+    p.add_argument("--rate", type=float, default=2.5, help="requests/s, all models together")
     p.add_argument("--phases", type=int, default=3)
     p.add_argument("--hot-share", type=float, default=0.8)
     p.add_argument("--cv", type=float, default=2.0, help="gamma arrivals' coefficient of variation")
-    p.add_argument("--prompt-len", type=parse_range, default=(1000, 1800))
-    p.add_argument("--output-len", type=parse_range, default=(32, 160))
+    p.add_argument("--prompt-len", type=parse_range, default=(800, 1400))
+    p.add_argument("--output-len", type=parse_range, default=(200, 400))
     p.add_argument("--budget", type=int, default=48 << 20, help="total KV bytes")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT bound, seconds")

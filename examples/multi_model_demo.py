@@ -94,8 +94,8 @@ async def drive(url: str, engines: dict[str, str]) -> dict[str, list]:
             async with client.stream("POST", url + "/v1/completions", json={
                     "model": name, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
                     "temperature": 0, "stream": True}) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data:") and ttft is None and r.status_code == 200:
+                async for chunk in r.aiter_bytes():
+                    if ttft is None and r.status_code == 200 and b"data:" in chunk:
                         ttft = time.monotonic() - start
                 ok = r.status_code == 200
         except httpx.HTTPError:

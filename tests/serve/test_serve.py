@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,18 @@ def completion(s: Served, model: str, prompt: str = "Once upon a time", max_toke
     return json.loads(body)
 
 
+def data_lines(response) -> Iterator[str]:
+    """A streamed response's ``data:`` payloads as they come, split at "\\n" only (generated
+    text may hold U+2028, which ``iter_lines`` would also split at)."""
+    buf = b""
+    for chunk in response.iter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+
+
 def sse_events(s: Served, path: str, body: dict) -> list[tuple[float, str]]:
     """The ``data:`` payloads of a streamed response with their arrival times."""
     import httpx
@@ -89,9 +102,8 @@ def sse_events(s: Served, path: str, body: dict) -> list[tuple[float, str]]:
     with httpx.stream("POST", s.url + path, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                out.append((time.monotonic() - t0, line[5:].strip()))
+        for data in data_lines(r):
+            out.append((time.monotonic() - t0, data))
     return out
 
 
@@ -299,9 +311,7 @@ def test_engine_killed_mid_stream_restarts_others_serve(served: Served):
         assert r.status_code == 200
         # The stream is open: the engine's server dies before it could generate it all.
         os.kill(pid, signal.SIGKILL)
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                got.append(line[5:].strip())
+        got.extend(data_lines(r))
     assert len(got) < 1900
     err = json.loads(got[-1])["error"]
     assert err["code"] == "engine_failed" and "tiny-c" in err["message"]

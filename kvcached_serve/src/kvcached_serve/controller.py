@@ -381,9 +381,15 @@ class Controller:
 
     async def _watch(self) -> None:
         """Twice a second: engines that exited by themselves, models idle past their policy."""
+        rounds = 0
         while True:
             await asyncio.sleep(0.5)
+            rounds += 1
             now = time.monotonic()
+            if rounds % 20 == 0:  # every 10 s: the shared memory the engines made since
+                for m in self.models.values():
+                    if m.state == "awake" and m.engine.running:
+                        await asyncio.to_thread(m.engine.note_shm_files)
             for m in self.models.values():
                 if m.state == "awake" and not m.engine.running:
                     self._engine_exited(m)

@@ -88,6 +88,8 @@ class EngineProcess:
         self.started_at = 0.0
         self.engine_sleep = sleep_mode_for(cfg, model) == "engine"
         self._log = None
+        self.shm_files: set[str] = set()  # /dev/shm files the engine's processes made
+        self._shm_before: set[str] = set()
 
     # ------------------------------------------------------------ launch
 
@@ -148,6 +150,10 @@ class EngineProcess:
         if self.model.port is None:  # a fresh free port: the last one may be taken by now
             self.port = _free_port()
             self.base_url = f"http://127.0.0.1:{self.port}"
+        try:
+            self._shm_before = set(os.listdir(_SHM))
+        except OSError:
+            self._shm_before = set()
         self._log = open(self.log_path, "ab")
         shown = self.command()
         if self.model.engine == "vllm":
@@ -184,9 +190,15 @@ class EngineProcess:
             try:
                 r = await client.get(self.base_url + "/health", timeout=2.0)
                 if r.status_code == 200:
+                    self.note_shm_files()
+                    self._note_new_semaphores()
                     return time.monotonic() - self.started_at
             except httpx.HTTPError:
                 pass
+            # What the starting processes create and drop again (multiprocessing semaphores:
+            # their resource tracker unlinks them only if it is not killed first).
+            await asyncio.to_thread(self.note_shm_files)
+            self._note_new_semaphores()
             if time.monotonic() > deadline:
                 raise EngineError(f"{self.model.name}: not healthy after "
                                   f"{self.model.startup_timeout_s:g} s; log {self.log_path}:\n"
@@ -209,6 +221,7 @@ class EngineProcess:
         code = None
         if proc is not None:
             pgid = proc.pid  # leader of its own group (start_new_session)
+            self.note_shm_files()
             crashed = proc.poll() is not None  # what it started has no one to stop it
             deadline = time.monotonic() + (0.0 if crashed else grace_s)
             if not crashed:
@@ -235,11 +248,46 @@ class EngineProcess:
                 _killpg(pgid, signal.SIGKILL)
                 time.sleep(0.05)
             code = proc.returncode
+            self._remove_shm_files()
         if self._log is not None:
             self._log.close()
             self._log = None
         self.cleanup_records()
         return code
+
+    def note_shm_files(self) -> None:
+        """Remember the shared-memory files (``/dev/shm``) the engine's processes have open or
+        mapped: the engine's own (vLLM's message queues, multiprocessing semaphores), which a
+        process killed without its shutdown leaves behind."""
+        if self.proc is not None:
+            self.shm_files |= _group_shm_files(self.proc.pid)
+
+    def _note_new_semaphores(self) -> None:
+        """Multiprocessing semaphores (``sem.mp-*``) that appeared while the engine started.
+        SGLang's and vLLM's start-up make one that no process keeps open; their resource
+        tracker unlinks it at a clean exit, but SGLang SIGKILLs its children (the tracker
+        with them) when it stops, and a crash takes the tracker down too."""
+        try:
+            names = os.listdir(_SHM)
+        except OSError:
+            return
+        self.shm_files |= {_SHM + n for n in names
+                           if n.startswith("sem.mp-") and n not in self._shm_before}
+
+    def _remove_shm_files(self) -> None:
+        """Unlink the remembered shared-memory files no live process holds any more."""
+        if not self.shm_files:
+            return
+        held = _held_shm_files()
+        for path in sorted(self.shm_files - held):
+            try:
+                os.unlink(path)
+                log.info("%s: removed %s, left by the engine's processes", self.model.name, path)
+            except FileNotFoundError:
+                pass  # the engine removed it itself
+            except OSError as exc:
+                log.warning("%s: cannot remove %s: %s", self.model.name, path, exc)
+        self.shm_files.clear()
 
     def cleanup_records(self) -> None:
         """Remove kvcached's records of this namespace whose processes are gone: pool
@@ -274,6 +322,54 @@ class EngineProcess:
                         rec.join(f"{self.namespace}/reclaim").close()
         except Exception as exc:  # noqa: BLE001
             log.warning("%s: reclaiming budget slots failed: %s", self.model.name, exc)
+
+
+_SHM = "/dev/shm/"
+
+
+def _shm_files_of(pid: str) -> set[str]:
+    """``/dev/shm`` files process ``pid`` has mapped or open (kvcached's own records excluded:
+    they are removed by namespace)."""
+    found: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                i = line.find(_SHM)
+                if i >= 0:
+                    found.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(_SHM):
+                found.add(target.removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    return {p for p in found if not os.path.basename(p).startswith("kvcached")}
+
+
+def _group_shm_files(pgid: int) -> set[str]:
+    """The ``/dev/shm`` files held by the processes of group ``pgid``."""
+    found: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[2]) != pgid:  # state, ppid, pgrp
+                continue
+        except (OSError, IndexError, ValueError):
+            continue
+        found |= _shm_files_of(pid)
+    return found
+
+
+def _held_shm_files() -> set[str]:
+    """Every ``/dev/shm`` file some live process holds."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        held |= _shm_files_of(pid)
+    return held
 
 
 def _die_with_parent() -> None:
