@@ -83,6 +83,7 @@ async def drive(url: str, engines: dict[str, str]) -> dict[str, list]:
 
     names = list(engines)
     results: dict[str, list] = {n: [] for n in names}
+    peak = [0]
     t0 = time.monotonic() + 0.5
 
     async def one(client: httpx.AsyncClient, at: float, name: str, prompt: list[int],
@@ -111,7 +112,8 @@ async def drive(url: str, engines: dict[str, str]) -> dict[str, list]:
                 cells = [f"{health[n]['state']:>8} {health[n]['kv_mapped_bytes'] / 2**20:6.1f} MiB"
                          for n in names]
                 total = sum(health[n]["kv_mapped_bytes"] for n in names)
-                print(f"{time.monotonic() - t0:5.0f}  " + "".join(f"{c:>26}" for c in cells)
+                peak[0] = max(peak[0], total)
+                print(f"{max(0.0, time.monotonic() - t0):5.0f}  " + "".join(f"{c:>26}" for c in cells)
                       + f"{total / 2**20:10.1f} / {BUDGET / 2**20:.0f} MiB", flush=True)
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
@@ -127,6 +129,8 @@ async def drive(url: str, engines: dict[str, str]) -> dict[str, list]:
         await asyncio.sleep(3.0)  # idle: the engines give their KV pages back
         stop.set()
         await shower
+    print(f"\npeak KV mapped by all three together: {peak[0] / 2**20:.0f} MiB of the "
+          f"{BUDGET >> 20} MiB budget")
     return results
 
 
@@ -157,10 +161,8 @@ def main() -> None:
     (work / "serve.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
-    try:
-        import kvcached_serve  # noqa: F401 - installed
-    except ImportError:  # run from the checkout
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(serve_src), env.get("PYTHONPATH")]))
+    # This checkout's kvcached-serve, installed or not (the example and the server go together).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(serve_src), env.get("PYTHONPATH")]))
     print(f"starting kvcached-serve on {url} with {', '.join(f'{n} ({e})' for n, e in engines.items())}"
           f"; one KV budget of {BUDGET >> 20} MiB; engine logs in {work / 'logs'}", flush=True)
     print(f"(watch it: KVCACHED_SHM_DIR={work / 'shm'} kvctl status)", flush=True)
@@ -189,10 +191,6 @@ def main() -> None:
             ttfts = sorted(t for ok, t in rs if ok and t is not None)
             p50 = f"{ttfts[len(ttfts) // 2]:.2f} s" if ttfts else "-"
             print(f"  {n:<8} {sum(ok for ok, _ in rs):>4} / {len(rs):<4} {p50}")
-        metrics = httpx.get(url + "/metrics").text
-        peak = [line for line in metrics.splitlines()
-                if line.startswith("kvcached_serve_device_budget_bytes")]
-        print("  " + "; ".join(peak))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)

@@ -252,6 +252,53 @@ def test_kvctl_names_engines_by_model(served: Served):
     assert prefix + "tiny-a" in out.stdout and prefix + "tiny-b" in out.stdout
 
 
+def test_contended_budget_is_shared_by_demand(served: Served):
+    """While two models have requests, each gets a live KV limit (a share of the budget by
+    its requests); once one is left alone the limits are lifted."""
+    import httpx
+
+    done = threading.Event()
+
+    def stream(model: str, n: int) -> None:
+        with httpx.stream("POST", served.url + "/v1/completions", timeout=120, json={
+                "model": model, "prompt": ["alpha beta gamma"] * n, "max_tokens": 1500,
+                "ignore_eos": True, "logprobs": 5, "stream": True}) as r:
+            for _ in data_lines(r):
+                if done.is_set():
+                    break  # closing the stream aborts the request at the engine
+
+    threads = [threading.Thread(target=stream, args=(m, n))
+               for m, n in (("tiny-a", 3), ("tiny-b", 1))]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            engines = served.engines()
+            limits = {m: engines[m]["kv_limit_bytes"] for m in ("tiny-a", "tiny-b")}
+            if all(limits.values()):
+                break
+            assert time.monotonic() < deadline, (limits, served.tail())
+            time.sleep(0.2)
+        # In proportion to the requests (3 : 1), at least a tenth of the budget each.
+        assert limits["tiny-a"] > limits["tiny-b"] >= BUDGET // 10, limits
+        assert limits["tiny-a"] + limits["tiny-b"] <= BUDGET
+        env = dict(os.environ, KVCACHED_SHM_DIR=str(served.shm_dir))
+        out = subprocess.run([sys.executable, "-m", "kvcached_core.cli.kvctl", "list", "--json"],
+                             env=env, capture_output=True, text=True, timeout=60)
+        pools = {p["namespace"]: p for p in json.loads(out.stdout)["pools"]}
+        prefix = served.config["namespace_prefix"]
+        assert pools[prefix + "tiny-b"]["limit"] == limits["tiny-b"]
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    deadline = time.monotonic() + 30
+    while any(served.engines()[m]["kv_limit_bytes"] for m in ("tiny-a", "tiny-b")):
+        assert time.monotonic() < deadline, served.engines()
+        time.sleep(0.2)
+
+
 # ---------------------------------------------------------------- queue, wake, LRU
 
 

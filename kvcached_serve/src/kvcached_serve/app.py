@@ -42,6 +42,11 @@ __all__ = ["create_app", "openai_error"]
 log = logging.getLogger("kvcached_serve")
 
 
+#: What ``/health`` tells about each engine.
+_ENGINE_FIELDS = ("engine", "device", "state", "sleep_mode", "namespace", "pid", "inflight",
+                  "queued", "kv_mapped_bytes", "kv_limit_bytes", "last_error")
+
+
 def openai_error(status: int, message: str, type_: str, code: str | None = None,
                  param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param,
@@ -221,10 +226,7 @@ def create_app(controller: Controller) -> Starlette:
         described = controller.describe()
         body = {"status": "ok" if ready else ("stopping" if controller.stopping else "starting"),
                 "models": {d["id"]: d["state"] for d in described},
-                "engines": {d["id"]: {k: d[k] for k in ("engine", "device", "state", "sleep_mode",
-                                                        "namespace", "pid", "inflight", "queued",
-                                                        "kv_mapped_bytes", "last_error")}
-                            for d in described}}
+                "engines": {d["id"]: {k: d[k] for k in _ENGINE_FIELDS} for d in described}}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics_route(request: Request) -> Response:

@@ -207,6 +207,11 @@ class ServeConfig(_Strict):
     device: str = Field(default="cpu", description="default device of the models")
     device_budget: int | None = Field(default=None, description="KV bytes all engines of "
                                       "a device may map together (none: no budget)")
+    kv_balance: bool = Field(default=True, description="while several models of a device "
+                             "have requests, limit each one's KV to a share of device_budget "
+                             "in proportion to its requests (in flight and queued)")
+    kv_min_share: float = Field(default=0.1, gt=0, le=1, description="the smallest share "
+                                "kv_balance gives a model (also an idle one)")
     weight_capacity: int | None = Field(default=None, description="weight bytes the awake "
                                         "models of a device may hold together (none: no cap)")
     sleep_mode: Literal["auto", "engine", "process"] = Field(

@@ -60,6 +60,7 @@ class ModelRuntime:
     waiting: int = 0
     failures: int = 0
     wake_started: float = 0.0
+    kv_limit: int = -1  # the live KV limit the controller set (-1: none)
     last_wake_s: float | None = None
     last_error: str | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -285,6 +286,7 @@ class Controller:
                 self._schedule_restart(m)
                 return
             m.state = "awake"
+            m.kv_limit = -1  # a fresh engine's pools have no live limit
             m.last_used = time.monotonic()
             m.last_wake_s = m.last_used - t0
             m.last_error = None
@@ -390,6 +392,11 @@ class Controller:
                 for m in self.models.values():
                     if m.state == "awake" and m.engine.running:
                         await asyncio.to_thread(m.engine.note_shm_files)
+            if self.cfg.kv_balance and self.cfg.device_budget is not None:
+                try:
+                    self._balance_kv()
+                except Exception as exc:  # noqa: BLE001 - the watcher must go on
+                    log.warning("KV balance: %s", exc)
             for m in self.models.values():
                 if m.state == "awake" and not m.engine.running:
                     self._engine_exited(m)
@@ -398,6 +405,50 @@ class Controller:
                       and now - m.last_used >= m.cfg.idle.sleep_after_s
                       and (m.task is None or m.task.done())):
                     m.task = asyncio.create_task(self._sleep(m, "idle"), name=f"sleep-{m.cfg.name}")
+
+    def _balance_kv(self) -> None:
+        """Arbitrate the device budget between models that want it at the same time.
+
+        Alone, a model may map the whole budget. The pages of running requests cannot be
+        given back, and an engine reuses the pages its finished requests free, so a busy
+        engine that took the budget keeps it while another engine's requests wait. While
+        several models of a device have requests, each one's pools get a live limit
+        (``kvctl limit``'s record) of the budget shared in proportion to its requests in
+        flight and queued, at least ``kv_min_share`` of it; an idle model gets that least
+        share (its cached prefixes go back). A pool over its limit admits no new request
+        and shrinks as its requests finish; the limits are lifted once at most one model
+        has requests (a model's ``kv_share`` stays its cap throughout)."""
+        from kvcached_core.ipc import shm
+
+        budget = self.cfg.device_budget
+        floor = int(budget * self.cfg.kv_min_share)
+        by_device: dict[str, list[ModelRuntime]] = {}
+        for m in self.models.values():
+            if m.state == "awake":
+                by_device.setdefault(m.cfg.device, []).append(m)
+        for models in by_device.values():
+            demand = {m: m.inflight + m.waiting for m in models}
+            total = sum(demand.values())
+            contended = sum(1 for d in demand.values() if d) >= 2
+            for m in models:
+                if not contended:
+                    limit = shm.NO_LIMIT
+                else:
+                    limit = max(floor, int(budget * demand[m] / total))
+                    if m.cfg.kv_share is not None:
+                        limit = min(limit, int(m.cfg.kv_share * budget))
+                if limit == m.kv_limit or (
+                        limit != shm.NO_LIMIT and m.kv_limit != shm.NO_LIMIT
+                        and abs(limit - m.kv_limit) < budget // 32):
+                    continue
+                pools = [p for p in shm.list_pools(m.engine.namespace, self.cfg.shm_dir)
+                         if p.alive]
+                if not pools:
+                    continue
+                each = limit if limit == shm.NO_LIMIT else max(1, limit // len(pools))
+                for p in pools:
+                    shm.set_limit(m.engine.namespace, p.pool, each, self.cfg.shm_dir)
+                m.kv_limit = limit
 
     # ------------------------------------------------------------ views
 
@@ -431,5 +482,6 @@ class Controller:
                  "state": m.state, "sleep_mode": m.sleep_mode.name,
                  "namespace": m.engine.namespace, "pid": m.engine.pid if m.engine.running else None,
                  "inflight": m.inflight, "queued": m.waiting, "kv_mapped_bytes": kv.get(m.cfg.name, 0),
+                 "kv_limit_bytes": None if m.kv_limit < 0 else m.kv_limit,
                  "weight_bytes": m.cfg.weight_bytes, "last_error": m.last_error}
                 for m in self.models.values()]

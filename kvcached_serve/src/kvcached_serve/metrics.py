@@ -78,6 +78,9 @@ class _StateCollector:
                                     "model holds on its device while awake", labels=["model"])
         kv = GaugeMetricFamily("kvcached_serve_kv_mapped_bytes", "KV bytes the model's engine "
                                "has mapped (its slots in the device budget)", labels=["model"])
+        limit = GaugeMetricFamily("kvcached_serve_kv_limit_bytes", "The live KV limit the "
+                                  "controller set on the model while the budget is contended "
+                                  "(-1: none)", labels=["model"])
         budget = GaugeMetricFamily("kvcached_serve_device_budget_bytes", "KV bytes all engines "
                                    "of a device may map together", labels=["device"])
         mapped = GaugeMetricFamily("kvcached_serve_device_kv_mapped_bytes", "KV bytes mapped "
@@ -92,10 +95,11 @@ class _StateCollector:
                 state.add_metric([name, s], 1.0 if m.state == s else 0.0)
             weights.add_metric([name], float(m.cfg.weight_bytes or 0))
             kv.add_metric([name], float(kv_by_model.get(name, 0)))
+            limit.add_metric([name], float(m.kv_limit))
         for dev, reading in self.c.budget_readings().items():
             budget.add_metric([dev], float(reading.capacity if reading.has_budget else -1))
             mapped.add_metric([dev], float(reading.mapped))
         if self.c.cfg.weight_capacity is not None:
             for dev in sorted({m.cfg.device for m in self.c.models.values()}):
                 cap.add_metric([dev], float(self.c.cfg.weight_capacity))
-        yield from (awake, state, weights, kv, budget, mapped, cap)
+        yield from (awake, state, weights, kv, limit, budget, mapped, cap)
