@@ -342,15 +342,17 @@ def plot(runs: dict[str, dict[str, Any]], names: list[str], budget: int, path: P
         ax.axhline(budget / 2**20, color="k", ls="--", lw=1, label="total KV memory")
         for t_phase, hot in trace_phases:
             ax.axvline(t_phase, color="grey", lw=0.5)
-            ax.text(t_phase + 1, budget / 2**20 * 1.02, f"{hot} hot", fontsize=7, color="grey")
+            ax.text(t_phase + 1, budget / 2**20 * 1.02, f"{hot} hot", fontsize=7, color="grey",
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
         title = ("shared: kvcached, one device budget" if mode == "shared"
                  else "static: vanilla vLLM, KV split evenly")
         ax.set_title(title, fontsize=10)
         ax.set_ylabel("KV MiB")
         ax.set_ylim(0, budget / 2**20 * 1.12)
-        ax.legend(loc="upper right", fontsize=7, ncol=len(names) + 1)
     axes[-1, 0].set_xlabel("seconds into the trace")
-    fig.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
