@@ -466,9 +466,12 @@ def test_stop_leaves_nothing(served: Served):
     # No pool segment, budget record or socket directory of kvcached is left.
     assert os.listdir(served.shm_dir) == []
     assert os.listdir(served.ipc_dir) == []
-    # No shared memory the engines made is left behind unowned.
+    # No shared memory the engines made is left behind unowned: vLLM's message queues
+    # (psm_*, hundreds of MiB; a killed engine left them) and kvcached's records. (Small
+    # semaphores and other engines' files other test runs on this machine make meanwhile
+    # cannot be told from ours by name, so they are not counted here.)
     if os.path.isdir("/dev/shm"):
         new = set(os.listdir("/dev/shm")) - served.dev_shm_before
-        leaked = [n for n in new if not _held_by_someone(f"/dev/shm/{n}")
-                  and os.stat(f"/dev/shm/{n}").st_uid == os.getuid()]
+        leaked = [n for n in new if n.startswith(("psm_", "kvcached"))
+                  and not _held_by_someone(f"/dev/shm/{n}")]
         assert not leaked, leaked

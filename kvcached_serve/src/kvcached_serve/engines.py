@@ -66,12 +66,20 @@ class EngineError(RuntimeError):
     """An engine did not start, answer, sleep or wake."""
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+#: SGLang also listens on its port + 10000 (gRPC) and refuses a port whose sum is over 65535.
+SGLANG_MAX_PORT = 55535
+
+
+def _free_port(host: str = "127.0.0.1", highest: int = 65535) -> int:
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port <= highest:
+            return port
+    raise EngineError(f"no free port at or below {highest} on {host}")
 
 
 class EngineProcess:
@@ -81,7 +89,8 @@ class EngineProcess:
         self.cfg = cfg
         self.model = model
         self.namespace = cfg.namespace_of(model)
-        self.port = model.port or _free_port()
+        self._highest_port = SGLANG_MAX_PORT if model.engine == "sglang" else 65535
+        self.port = model.port or _free_port(highest=self._highest_port)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{model.name}.log"
         self.proc: subprocess.Popen | None = None
@@ -148,7 +157,7 @@ class EngineProcess:
             raise EngineError(f"{self.model.name}: the engine is already running")
         self.cleanup_records()  # what an earlier run of this namespace may have left
         if self.model.port is None:  # a fresh free port: the last one may be taken by now
-            self.port = _free_port()
+            self.port = _free_port(highest=self._highest_port)
             self.base_url = f"http://127.0.0.1:{self.port}"
         try:
             self._shm_before = set(os.listdir(_SHM))
