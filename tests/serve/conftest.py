@@ -1,0 +1,251 @@
+"""Fixtures of the kvcached-serve tests: a real controller (``python -m kvcached_serve``) in a
+subprocess, in front of real tiny engines on this CPU.
+
+Run them with the vLLM environment's interpreter (it has vLLM and the endpoint's
+dependencies)::
+
+    .venv-vllm/bin/python -m pytest tests/serve
+
+kvcached-serve is imported from ``kvcached_serve/src`` of this checkout when it is not
+installed. An SGLang model joins when ``.sglang/`` holds :data:`SGLANG_RELEASE` (its HTTP
+server runs on ``.venv``'s interpreter with the shims, as ``tests/sglang`` runs SGLang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_SRC = ROOT / "kvcached_serve" / "src"
+if str(SERVE_SRC) not in sys.path:
+    sys.path.insert(0, str(SERVE_SRC))
+
+#: The SGLang release whose HTTP server the tests start (as tests/sglang's e2e runs it).
+SGLANG_RELEASE = "0.5.12.post1"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "assistant:")
+VLLM_ARGS = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "seed": 0,
+             "max_num_seqs": 16}
+SGLANG_ARGS = {"device": "cpu", "dtype": "bfloat16", "attention_backend": "torch_native",
+               "sampling_backend": "pytorch", "disable_cuda_graph": True, "page_size": 1,
+               "max_total_tokens": 65536, "grammar_backend": "none", "random_seed": 0}
+
+
+def serve_importable() -> bool:
+    try:
+        import httpx  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+        import yaml  # noqa: F401
+
+        import kvcached_serve  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sglang_engine(workdir: Path) -> tuple[str, dict[str, str]] | None:
+    """(interpreter, environment) that run SGLang's HTTP server here, or None."""
+    from kvcached_testing.sglang_release import (SGLANG_DIR, release_env, release_installed,
+                                                 write_dist_record)
+
+    python = ROOT / ".venv" / "bin" / "python"
+    if not release_installed(SGLANG_RELEASE) or not python.exists() or not (
+            SGLANG_DIR / "_http").is_dir():
+        return None
+    env = release_env(SGLANG_RELEASE, write_dist_record(workdir / "sglang-dist"))
+    keep = {k: env[k] for k in ("PYTHONPATH", "SGLANG_USE_CPU_ENGINE", "OMP_NUM_THREADS",
+                                "TOKENIZERS_PARALLELISM")}
+    keep["PYTHONPATH"] += os.pathsep + str(SGLANG_DIR / "_http")  # the HTTP server's packages
+    keep["KVCACHED_PAGE_SIZE_MB"] = "1"
+    return str(python), keep
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("vllm")
+    from kvcached_testing.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def chat_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("chat") / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
+         timeout: float = 120) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one request; HTTP errors are answers, not exceptions."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+@dataclass
+class Served:
+    """A running controller: its URL, config and private kvcached directories."""
+
+    proc: subprocess.Popen
+    url: str
+    config: dict
+    workdir: Path
+    shm_dir: Path
+    ipc_dir: Path
+    log: Path
+    engine_pids: set[int] = field(default_factory=set)
+
+    def get(self, path: str, **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        return http("GET", self.url + path, **kw)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        return http("POST", self.url + path, body, **kw)
+
+    def models(self) -> dict[str, dict]:
+        status, _, body = self.get("/v1/models")
+        assert status == 200, body
+        return {m["id"]: m for m in json.loads(body)["data"]}
+
+    def state(self, name: str) -> str:
+        return self.models()[name]["state"]
+
+    def wait_state(self, name: str, want: str, timeout: float = 180) -> float:
+        t0 = time.monotonic()
+        while True:
+            st = self.state(name)
+            if st == want:
+                return time.monotonic() - t0
+            assert self.proc.poll() is None, self.tail()
+            assert time.monotonic() - t0 < timeout, f"{name} is {st}, not {want}:\n{self.tail()}"
+            time.sleep(0.25)
+
+    def engines(self) -> dict[str, dict]:
+        """/health's view of each engine (state, pid, namespace, ...); remembers the pids."""
+        _, _, body = self.get("/health")
+        engines = json.loads(body)["engines"]
+        self.engine_pids.update(e["pid"] for e in engines.values() if e["pid"])
+        return engines
+
+    def engine_pid(self, name: str) -> int:
+        """The engine's server process (leader of its own process group)."""
+        pid = self.engines()[name]["pid"]
+        assert pid, f"{name} has no running engine"
+        return pid
+
+    def metrics(self) -> str:
+        status, _, body = self.get("/metrics")
+        assert status == 200
+        return body.decode()
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        return self.proc.returncode
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def controller_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SERVE_SRC), env.get("PYTHONPATH")]))
+    return env
+
+
+class Launcher:
+    """Starts controllers on configs with private kvcached directories and a unique namespace
+    prefix; :meth:`stop_all` stops every one it started."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.started: list[Served] = []
+
+    def write(self, models: list[dict], **top: Any) -> tuple[Path, dict]:
+        work = self.factory.mktemp("serve")
+        cfg = {"port": _free_port(), "shm_dir": str(work / "shm"), "ipc_dir": str(work / "ipc"),
+               "namespace_prefix": f"t{uuid.uuid4().hex[:6]}-", "log_dir": str(work / "logs"),
+               **top, "models": models}
+        return write_config(work / "serve.yaml", cfg), cfg
+
+    def start(self, models: list[dict], ready_timeout: float = 300, **top: Any) -> Served:
+        path, cfg = self.write(models, **top)
+        work = path.parent
+        log = work / "controller.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kvcached_serve", str(path)],
+                                    env=controller_env(), stdout=out, stderr=subprocess.STDOUT)
+        served = Served(proc, f"http://127.0.0.1:{cfg['port']}", cfg, work,
+                        Path(cfg["shm_dir"]), Path(cfg["ipc_dir"]), log)
+        self.started.append(served)
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            assert proc.poll() is None, f"the controller exited:\n{served.tail()}"
+            try:
+                status, _, _ = served.get("/health", timeout=5)
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"not healthy in time:\n{served.tail()}"
+            time.sleep(0.5)
+        served.engines()
+        return served
+
+    def stop_all(self) -> None:
+        for s in self.started:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    if not serve_importable():
+        pytest.skip("kvcached-serve's dependencies (starlette, uvicorn, httpx, pydantic, "
+                    "PyYAML, prometheus-client) are not installed here")
+    launch = Launcher(tmp_path_factory)
+    yield launch
+    launch.stop_all()
