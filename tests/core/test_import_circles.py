@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"kvcached-core": ROOT / "kvcached_core",
             "kvcached-vllm": ROOT / "kvcached_vllm" / "src" / "kvcached_vllm",
-            "kvcached-sglang": ROOT / "kvcached_sglang" / "src" / "kvcached_sglang"}
+            "kvcached-sglang": ROOT / "kvcached_sglang" / "src" / "kvcached_sglang",
+            "kvcached-serve": ROOT / "kvcached_serve" / "src" / "kvcached_serve"}
 
 
 def _modules(package: Path) -> dict[str, Path]:

@@ -38,7 +38,9 @@ if str(SERVE_SRC) not in sys.path:
 SGLANG_RELEASE = "0.5.12.post1"
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "assistant:")
-VLLM_ARGS = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "seed": 0,
+# float32: vLLM's bf16 CPU attention runs AMX instructions before anything asked Linux for
+# AMX, and a short first request kills the worker on AMX hosts (tests/vllm/test_limit_and_serve.py).
+VLLM_ARGS = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "seed": 0,
              "max_num_seqs": 16}
 SGLANG_ARGS = {"device": "cpu", "dtype": "bfloat16", "attention_backend": "torch_native",
                "sampling_backend": "pytorch", "disable_cuda_graph": True, "page_size": 1,

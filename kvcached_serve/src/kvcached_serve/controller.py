@@ -69,11 +69,13 @@ class ModelRuntime:
 
 
 def device_budget_key(device: str) -> str:
-    """The kvcached budget record of a device, as its engines compute it."""
-    explicit = os.environ.get("KVCACHED_BUDGET_DEVICE", "").strip()
-    if explicit:
-        return explicit
-    return "host" if device == "cpu" else f"cuda{device.split(':')[1]}"
+    """The kvcached budget record of a configured device (``cpu``, ``cuda:N``), as its
+    engines compute it (:func:`kvcached_core.ipc.budget.device_key`: the physical index
+    behind ``CUDA_VISIBLE_DEVICES``, ``KVCACHED_BUDGET_DEVICE`` when set)."""
+    from kvcached_core.ipc.budget import device_key
+
+    kind, _, index = device.partition(":")
+    return device_key("host" if kind == "cpu" else kind, int(index or 0))
 
 
 class Controller:
