@@ -98,7 +98,6 @@ class EngineProcess:
         self.engine_sleep = sleep_mode_for(cfg, model) == "engine"
         self._log = None
         self.shm_files: set[str] = set()  # /dev/shm files the engine's processes made
-        self._shm_before: set[str] = set()
 
     # ------------------------------------------------------------ launch
 
@@ -159,10 +158,6 @@ class EngineProcess:
         if self.model.port is None:  # a fresh free port: the last one may be taken by now
             self.port = _free_port(highest=self._highest_port)
             self.base_url = f"http://127.0.0.1:{self.port}"
-        try:
-            self._shm_before = set(os.listdir(_SHM))
-        except OSError:
-            self._shm_before = set()
         self._log = open(self.log_path, "ab")
         shown = self.command()
         if self.model.engine == "vllm":
@@ -200,14 +195,12 @@ class EngineProcess:
                 r = await client.get(self.base_url + "/health", timeout=2.0)
                 if r.status_code == 200:
                     self.note_shm_files()
-                    self._note_new_semaphores()
                     return time.monotonic() - self.started_at
             except httpx.HTTPError:
                 pass
-            # What the starting processes create and drop again (multiprocessing semaphores:
-            # their resource tracker unlinks them only if it is not killed first).
+            # What the starting processes hold: only files they held are ever removed (never
+            # a file that merely appeared meanwhile: it may be another program's).
             await asyncio.to_thread(self.note_shm_files)
-            self._note_new_semaphores()
             if time.monotonic() > deadline:
                 raise EngineError(f"{self.model.name}: not healthy after "
                                   f"{self.model.startup_timeout_s:g} s; log {self.log_path}:\n"
@@ -270,18 +263,6 @@ class EngineProcess:
         process killed without its shutdown leaves behind."""
         if self.proc is not None:
             self.shm_files |= _group_shm_files(self.proc.pid)
-
-    def _note_new_semaphores(self) -> None:
-        """Multiprocessing semaphores (``sem.mp-*``) that appeared while the engine started.
-        SGLang's and vLLM's start-up make one that no process keeps open; their resource
-        tracker unlinks it at a clean exit, but SGLang SIGKILLs its children (the tracker
-        with them) when it stops, and a crash takes the tracker down too."""
-        try:
-            names = os.listdir(_SHM)
-        except OSError:
-            return
-        self.shm_files |= {_SHM + n for n in names
-                           if n.startswith("sem.mp-") and n not in self._shm_before}
 
     def _remove_shm_files(self) -> None:
         """Unlink the remembered shared-memory files no live process holds any more."""
