@@ -182,7 +182,9 @@ def test_streaming_passes_chunks_through(served: Served):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(d) for d in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 1900
-    assert len(chunks) > 1800  # token by token, not one buffered body
+    # Chunk by chunk, not one buffered body (vLLM merges the tokens of a consumer that fell
+    # behind, as after the pause, into one chunk: fewer chunks than tokens).
+    assert len(chunks) > 100
     chat = sse_events(served, "/v1/chat/completions", {
         "model": "tiny-a", "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": 8, "stream": True})
@@ -281,14 +283,21 @@ def test_contended_budget_is_shared_by_demand(served: Served):
     import httpx
 
     done = threading.Event()
+    outcomes: list[str] = []  # how each stream ended, for the failure message
 
     def stream(model: str) -> None:
-        with httpx.stream("POST", served.url + "/v1/completions", timeout=120, json={
-                "model": model, "prompt": "alpha beta gamma", "max_tokens": 1500,
-                "ignore_eos": True, "logprobs": 5, "stream": True}) as r:
-            for _ in data_lines(r):
-                if done.is_set():
-                    break  # closing the stream aborts the request at the engine
+        chunks = 0
+        try:
+            with httpx.stream("POST", served.url + "/v1/completions", timeout=120, json={
+                    "model": model, "prompt": "alpha beta gamma", "max_tokens": 1500,
+                    "ignore_eos": True, "logprobs": 5, "stream": True}) as r:
+                for _ in data_lines(r):
+                    chunks += 1
+                    if done.is_set():
+                        break  # closing the stream aborts the request at the engine
+                outcomes.append(f"{model}: HTTP {r.status_code}, {chunks} events")
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            outcomes.append(f"{model}: {exc!r} after {chunks} events")
 
     threads = [threading.Thread(target=stream, args=(m,))
                for m in ("tiny-a", "tiny-a", "tiny-a", "tiny-b")]
@@ -302,7 +311,9 @@ def test_contended_budget_is_shared_by_demand(served: Served):
             if all(limits.values()) and engines["tiny-a"]["inflight"] == 3 and (
                     limits["tiny-a"] > limits["tiny-b"]):
                 break
-            assert time.monotonic() < deadline, (limits, served.tail())
+            if time.monotonic() > deadline:
+                pytest.fail(f"no limits in 60 s: {limits}\nengines: {json.dumps(engines)}\n"
+                            f"streams: {outcomes}\ncontroller log:\n{served.tail()}")
             time.sleep(0.2)
         # In proportion to the requests (3 : 1), at least a tenth of the budget each.
         assert limits["tiny-a"] > limits["tiny-b"] >= BUDGET // 10, limits

@@ -97,6 +97,22 @@ def _generated_delta(delta: Any) -> bool:
                 or ("content" in delta and "role" not in delta))
 
 
+class _Relay(StreamingResponse):
+    """A streamed answer that runs ``close`` once it ends, however it ends: the relay's own
+    ``finally`` runs only if the relay started, and a client gone before the first chunk
+    leaves it unstarted (the request would stay counted in flight)."""
+
+    def __init__(self, content: AsyncIterator[bytes], close: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._close = close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
+
+
 def create_app(controller: Controller) -> Starlette:
     """The ASGI app; its lifespan starts and stops ``controller``."""
 
@@ -193,9 +209,12 @@ def create_app(controller: Controller) -> Starlette:
                 await upstream.aclose()
                 done(status)
 
-        return StreamingResponse(relay(), status_code=upstream.status_code,
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        async def close() -> None:  # also when the client left before the relay began
+            await upstream.aclose()
+            done(499)
+
+        return _Relay(relay(), close, status_code=upstream.status_code,
+                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def completions(request: Request) -> Response:
         return await proxy(request, "/v1/completions")

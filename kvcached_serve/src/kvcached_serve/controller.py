@@ -389,24 +389,30 @@ class Controller:
         while True:
             await asyncio.sleep(0.5)
             rounds += 1
-            now = time.monotonic()
-            if rounds % 20 == 0:  # every 10 s: the shared memory the engines made since
-                for m in self.models.values():
-                    if m.state == "awake" and m.engine.running:
-                        await asyncio.to_thread(m.engine.note_shm_files)
-            if self.cfg.kv_balance and self.cfg.device_budget is not None:
-                try:
-                    self._balance_kv()
-                except Exception as exc:  # noqa: BLE001 - the watcher must go on
-                    log.warning("KV balance: %s", exc)
+            try:
+                await self._watch_round(rounds)
+            except Exception:  # noqa: BLE001 - the watcher must go on: it is the only one
+                log.exception("watching the engines failed this round")
+
+    async def _watch_round(self, rounds: int) -> None:
+        now = time.monotonic()
+        if rounds % 20 == 0:  # every 10 s: the shared memory the engines made since
             for m in self.models.values():
-                if m.state == "awake" and not m.engine.running:
-                    self._engine_exited(m)
-                elif (m.state == "awake" and m.cfg.idle.sleep_after_s is not None
-                      and m.inflight == 0 and m.waiting == 0
-                      and now - m.last_used >= m.cfg.idle.sleep_after_s
-                      and (m.task is None or m.task.done())):
-                    m.task = asyncio.create_task(self._sleep(m, "idle"), name=f"sleep-{m.cfg.name}")
+                if m.state == "awake" and m.engine.running:
+                    await asyncio.to_thread(m.engine.note_shm_files)
+        if self.cfg.kv_balance and self.cfg.device_budget is not None:
+            try:
+                self._balance_kv()
+            except Exception as exc:  # noqa: BLE001 - the rest of the round goes on
+                log.warning("KV balance: %s", exc)
+        for m in self.models.values():
+            if m.state == "awake" and not m.engine.running:
+                self._engine_exited(m)
+            elif (m.state == "awake" and m.cfg.idle.sleep_after_s is not None
+                  and m.inflight == 0 and m.waiting == 0
+                  and now - m.last_used >= m.cfg.idle.sleep_after_s
+                  and (m.task is None or m.task.done())):
+                m.task = asyncio.create_task(self._sleep(m, "idle"), name=f"sleep-{m.cfg.name}")
 
     def _balance_kv(self) -> None:
         """Arbitrate the device budget between models that want it at the same time.
@@ -446,11 +452,18 @@ class Controller:
                 pools = [p for p in shm.list_pools(m.engine.namespace, self.cfg.shm_dir)
                          if p.alive]
                 if not pools:
+                    log.debug("%s: no live KV pool in namespace %s to limit", m.cfg.name,
+                              m.engine.namespace)
                     continue
                 each = limit if limit == shm.NO_LIMIT else max(1, limit // len(pools))
                 for p in pools:
                     shm.set_limit(m.engine.namespace, p.pool, each, self.cfg.shm_dir)
                 m.kv_limit = limit
+                if limit == shm.NO_LIMIT:
+                    log.info("%s: KV limit lifted", m.cfg.name)
+                else:
+                    log.info("%s: KV limit %.1f MiB (%d of %d requests on %s)", m.cfg.name,
+                             limit / (1 << 20), demand[m], total, m.cfg.device)
 
     # ------------------------------------------------------------ views
 

@@ -302,7 +302,7 @@ def _shm_files_of(pid: str) -> set[str]:
     they are removed by namespace)."""
     found: set[str] = set()
     try:
-        with open(f"/proc/{pid}/maps") as f:
+        with open(f"/proc/{pid}/maps", errors="surrogateescape") as f:
             for line in f:
                 i = line.find(_SHM)
                 if i >= 0:
