@@ -124,6 +124,37 @@ def test_elastic_pool_is_a_block_pool_and_maps_on_demand():
     assert pool.get_num_free_blocks() == pool.kv_block_manager.available_size()
 
 
+def test_block_objects_follow_the_blocks_used_not_the_address_space():
+    """vLLM makes a ``KVCacheBlock`` per block at start; kvcached's pool reserves far more
+    blocks than it maps, so its blocks are made the first time an id is used."""
+    import gc
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    def live_blocks() -> int:  # the free queues' head and tail are blocks of id -1
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) is KVCacheBlock and o.block_id >= 0)
+
+    before = live_blocks()
+    pool = _pool(num_blocks=32 * 1024)
+    assert len(pool.blocks) == pool.num_gpu_blocks == 32 * 1024  # vLLM's view: every block
+    assert pool.blocks.made() == 1 and live_blocks() - before == 1  # the null block
+    got = pool.get_new_blocks(40)
+    assert pool.blocks.made() == 41 and live_blocks() - before == 41
+    assert [pool.blocks[b.block_id] for b in got] == got  # one object per id, kept
+    assert {b.block_id for b in pool.blocks} == {0} | {b.block_id for b in got}
+    pool.free_blocks(got)
+    again = pool.get_new_blocks(40)  # kvcached reuses the ids: no new objects
+    assert pool.blocks.made() == 41
+    assert all(b.ref_cnt == 1 for b in again)
+    if hasattr(pool.null_block, "pool"):  # vLLM >= 0.30: blocks name their pool
+        assert all(b.pool is pool.null_block.pool for b in again)
+    with pytest.raises(IndexError, match="outside"):
+        pool.blocks[32 * 1024]
+    pool.free_blocks(again)
+    assert pool.reset_prefix_cache()
+
+
 def test_prefix_cache_keeps_blocks_mapped_and_inherited_methods_work():
     pool = _pool(max_cached=64)
     req = _request(4)

@@ -184,6 +184,7 @@ def _pool034(num_blocks: int = 32 * 8, max_cached: int | None = None):
             pytest.skip("this vLLM's blocks cannot name their pool (< 0.32); "
                         "test_release_import.py runs the pool on 0.34's own BlockPool")
         pool._weak_self = weakref.ref(pool)
+        pool._own_mark = pool._weak_self  # what the pool's blocks name, as 0.34 sets it
         for block in pool.blocks:
             block.pool = pool._weak_self
     return pool

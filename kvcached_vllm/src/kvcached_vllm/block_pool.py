@@ -24,6 +24,12 @@ beyond an explicit ``KVCACHED_MAX_CACHED_TOKENS`` cap. The free queue counts its
 per page as they come and go, so finding whole pages costs a look at each page
 the queue touches, not at each block: the requests that finish together at the
 end of a burst each pay for what they evict, not for the size of the cache.
+
+Block objects follow the memory used, not the address space: vLLM makes one
+``KVCacheBlock`` per block at start (and links them all into its free queue);
+kvcached's pool reserves far more blocks than it ever maps, so ``blocks`` here
+is a :class:`LazyBlocks` that makes a block the first time its id is used. The
+engine starts, collects garbage and exits with the blocks it has used.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from kvcached_core.allocator import KVBlockManager
 
 from kvcached_vllm.errors import KVPoolExhausted
 
-__all__ = ["ElasticBlockPool", "KVPoolExhausted"]
+__all__ = ["ElasticBlockPool", "KVPoolExhausted", "LazyBlocks"]
 
 
 class _PageCountingQueue(FreeKVCacheBlockQueue):
@@ -103,6 +109,53 @@ class _PageCountingQueue(FreeKVCacheBlockQueue):
         super().prepend_n(blocks)
         self._joined(blocks)
 
+class LazyBlocks(dict):
+    """``BlockPool.blocks`` for a pool of ``n`` blocks whose objects are made on first use.
+
+    Indexed by block id like vLLM's list (``blocks[i]`` makes block ``i`` the first time,
+    through dict's ``__missing__``, so a hit costs a dict lookup); ``len`` is ``n``;
+    iterating gives the blocks made so far, the only ones that can hold a hash.
+
+    Args:
+        n: The pool's block count (``num_gpu_blocks``).
+        null: Block 0, vLLM's null block, already made.
+        make: Makes block ``i`` (``KVCacheBlock(i, ...)`` as vLLM's pool would).
+    """
+
+    __slots__ = ("_n", "_make")
+
+    def __init__(self, n: int, null: Any, make: Any) -> None:
+        super().__init__()
+        self._n = n
+        self._make = make
+        self[null.block_id] = null
+
+    def __missing__(self, block_id: int) -> Any:
+        if not 0 <= block_id < self._n:
+            raise IndexError(f"block id {block_id} is outside the pool's {self._n} blocks")
+        block = self[block_id] = self._make(block_id)
+        return block
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Any:
+        return iter(self.values())
+
+    def made(self) -> int:
+        """How many block objects exist."""
+        return dict.__len__(self)
+
+
+def _block_maker(null: Any) -> Any:
+    """Makes ``KVCacheBlock(i)`` naming the pool as the null block does (vLLM >= 0.30 blocks
+    name their pool: the pool itself, or from 0.34 a weak reference to it)."""
+    cls = type(null)
+    if hasattr(null, "pool"):
+        return lambda i: cls(i, pool=null.pool)
+    return cls
+
+
 log = logging.getLogger("kvcached.vllm")
 
 
@@ -122,26 +175,34 @@ class ElasticBlockPool(BlockPool):
 
     def __init__(
         self,
+        num_gpu_blocks: int,
         *args: Any,
         block_manager: KVBlockManager,
         max_cached_blocks: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        # vLLM's own set-up for the null block alone: the other blocks are made on first use
+        # and none is free in vLLM's queue (free blocks live in kvcached).
+        super().__init__(1, *args, **kwargs)
         if block_manager.null_block != self.null_block.block_id:
             raise ValueError("kvcached's null block must be vLLM's null block 0")
-        if block_manager.num_blocks != self.num_gpu_blocks:
+        if block_manager.num_blocks != num_gpu_blocks:
             raise ValueError(
-                f"kvcached manages {block_manager.num_blocks} blocks, vLLM {self.num_gpu_blocks}"
+                f"kvcached manages {block_manager.num_blocks} blocks, vLLM {num_gpu_blocks}"
             )
-        for block in self.blocks:  # nothing is evictable yet: free blocks live in kvcached
-            block.prev_free_block = block.next_free_block = None
+        one = self.blocks
+        self.num_gpu_blocks = num_gpu_blocks
+        self.blocks = LazyBlocks(num_gpu_blocks, self.null_block, _block_maker(self.null_block))
+        cached = self.cached_block_hash_to_block  # vLLM >= 0.34 maps hashes to block ids
+        if getattr(cached, "_blocks", None) is one:
+            cached._blocks = self.blocks
         self.free_block_queue = _PageCountingQueue(block_manager.page_of)
         self.kv_block_manager = block_manager
         self._kv_alloc = block_manager.alloc  # bound once: the hot path
         self._kv_free = block_manager.free
-        # vLLM >= 0.32 blocks name their pool (deferred frees may mix pools).
-        self._blocks_know_pool = hasattr(self.null_block, "pool")
+        # What this pool's blocks name as their pool (vLLM >= 0.30: the pool, from 0.34 a
+        # weak reference to it; before, blocks name none).
+        self._own_mark = getattr(self.null_block, "pool", None)
         self.max_cached_blocks = max_cached_blocks
         self._resetting = False
 
@@ -190,35 +251,49 @@ class ElasticBlockPool(BlockPool):
             )
         return ids
 
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
         """Drop one reference from each block; blocks no longer used go back to kvcached.
 
         Blocks still holding a prefix-cache hash stay mapped as evictable (LRU
-        order as in vLLM) up to ``max_cached_blocks``. A block still watched
-        by ``unpin_blocks``'s caller is reported reused when it goes back.
+        order as in vLLM) up to ``max_cached_blocks``; with ``evict_first`` (vLLM >=
+        0.34) at the front of that order. A block still watched by
+        ``unpin_blocks``'s caller is reported reused when it goes back. Blocks of
+        another pool (vLLM >= 0.30 defers frees that may mix pools) go to their pool.
         """
         release: list[int] = []
         cached: list[Any] = []
         others: dict[Any, list[Any]] | None = None
         null = self.null_block
         caching = self.enable_caching
-        pooled = self._blocks_know_pool
+        me = self._own_mark
         for block in ordered_blocks:
-            if pooled and block.pool is not self and block.pool is not None:
-                if others is None:
-                    others = {}
-                others.setdefault(block.pool, []).append(block)
-                continue
+            if me is not None:
+                owner = block.pool
+                if owner is not me and owner is not None:
+                    pool = self._pool_of(owner)
+                    if pool is not None:  # a pool already gone took its blocks with it
+                        if others is None:
+                            others = {}
+                        others.setdefault(pool, []).append(block)
+                    continue
             block.ref_cnt -= 1
             if not block.ref_cnt and block is not null:
                 if caching and block.block_hash is not None:
                     cached.append(block)
                 else:
                     release.append(block.block_id)
-        self._put_back(release, cached)
+        self._put_back(release, cached, evict_first=evict_first)
         if others:
             for pool, blocks in others.items():
-                pool.free_blocks(blocks)
+                if evict_first:
+                    pool.free_blocks(blocks, evict_first=True)
+                else:
+                    pool.free_blocks(blocks)
+
+    @staticmethod
+    def _pool_of(owner: Any) -> Any:
+        """The pool a block's ``pool`` field names (vLLM 0.30-0.33: the pool itself)."""
+        return owner
 
     def _put_back(self, release: list[int], cached: list[Any], *,
                   evict_first: bool = False) -> None:
@@ -279,9 +354,9 @@ class ElasticBlockPool(BlockPool):
 
     def _queued_in_page(self, page: int) -> list[Any]:
         """The blocks of ``page`` in the free queue (members have queue links)."""
-        blocks = self.blocks
-        return [blocks[i] for i in self.kv_block_manager.blocks_in_page(page)
-                if blocks[i].prev_free_block is not None and blocks[i].ref_cnt == 0]
+        made = self.blocks.get  # a block never made is in no queue
+        return [b for b in map(made, self.kv_block_manager.blocks_in_page(page))
+                if b is not None and b.prev_free_block is not None and b.ref_cnt == 0]
 
     def give_back_pages(self, n: int) -> int:
         """Evict the cached blocks of up to ``n`` pages that hold nothing else (LRU first).
@@ -323,12 +398,13 @@ class ElasticBlockPool(BlockPool):
     def evict_blocks(self, block_ids: set[int]) -> None:
         """vLLM's eviction by id; evicted blocks nobody uses go back to kvcached at once."""
         super().evict_blocks(block_ids)
+        blocks = self.blocks
         stale = [
-            self.blocks[i]
+            blocks[i]
             for i in block_ids
-            if self.blocks[i].ref_cnt == 0
-            and self.blocks[i].block_hash is None
-            and self.blocks[i].prev_free_block is not None
+            if blocks[i].ref_cnt == 0
+            and blocks[i].block_hash is None
+            and blocks[i].prev_free_block is not None
         ]
         if stale:
             self._release_evictable(stale)
