@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["command_line", "map_unmap_pair", "median_ratio", "print_table", "run_info", "summary",
-           "timed", "write_result"]
+           "timed", "versions", "write_result"]
 
 
 def timed(fn: Callable[[int], None], n: int, offset: int = 0) -> list[float]:
@@ -74,6 +74,19 @@ def source_commit() -> str | None:
     except OSError:
         pass
     return os.environ.get("KVCACHED_COMMIT") or None
+
+
+def versions(*dists: str) -> dict[str, str]:
+    """The installed versions of those of ``dists`` that are installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in dists:
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return out
 
 
 def run_info(benchmark: str, **fields: Any) -> dict[str, Any]:

