@@ -143,9 +143,17 @@ def test_out_of_memory_while_growing_waits_and_completes_identically(hanging):
     llm.collective_rpc(_arm(f"map:1-{FAILED_MAPS}:fail"), timeout=60)
     faulty = token_ids(llm.generate(prompts, greedy(OUT)))
     (counts,) = llm.collective_rpc(_counts, timeout=60)
-    assert counts["map"] > FAILED_MAPS, counts  # every refused map happened, then more succeeded
+    assert counts["map"] >= FAILED_MAPS, counts  # every refused map happened
     assert faulty == reference
     assert all(len(ids) == OUT for ids in faulty)
+    # The burst may finish in the pages still mapped (one request at a time), so the
+    # pool's recovery shows in the next one: it grows the cache again.
+    assert llm.reset_prefix_cache()
+    time.sleep(2.5)
+    again = token_ids(llm.generate(prompts, greedy(OUT)))
+    (after,) = llm.collective_rpc(_counts, timeout=60)
+    assert after["map"] > counts["map"], (counts, after)
+    assert again == reference
 
 
 def test_a_worker_that_stops_answering_stops_the_engine_with_a_clear_error(hanging):
