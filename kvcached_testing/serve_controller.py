@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SERVE_SRC", "controller_env", "free_port", "start_controller", "wait_healthy"]
+__all__ = ["SERVE_SRC", "controller_env", "free_port", "log_tail", "start_controller",
+           "wait_healthy", "write_config"]
 
 SERVE_SRC = Path(__file__).resolve().parents[1] / "kvcached_serve" / "src"
 
@@ -34,15 +35,20 @@ def controller_env() -> dict[str, str]:
     return env
 
 
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    """``cfg`` as a YAML config file at ``path``."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
 def start_controller(cfg: dict[str, Any], work: Path) -> tuple[subprocess.Popen, str, Path]:
     """Write ``cfg`` to ``work/serve.yaml`` and start ``python -m kvcached_serve`` on it, its
     output in ``work/controller.log``. Returns ``(process, url, log)``; the URL is
     ``cfg["port"]``'s on 127.0.0.1."""
-    import yaml
-
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / "serve.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    path = write_config(work / "serve.yaml", cfg)
     log = work / "controller.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvcached_serve", str(path)],

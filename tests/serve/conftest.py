@@ -29,8 +29,10 @@ from typing import Any
 
 import pytest
 
+from kvcached_testing.serve_controller import (
+    SERVE_SRC, free_port, log_tail, start_controller, wait_healthy)
+
 ROOT = Path(__file__).resolve().parents[2]
-SERVE_SRC = ROOT / "kvcached_serve" / "src"
 if str(SERVE_SRC) not in sys.path:
     sys.path.insert(0, str(SERVE_SRC))
 
@@ -91,14 +93,6 @@ def chat_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("chat") / "chat.jinja"
     path.write_text(CHAT_TEMPLATE)
     return path
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
@@ -170,10 +164,7 @@ class Served:
         return body.decode()
 
     def tail(self, n: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return log_tail(self.log, n)
 
     def stop(self, timeout: float = 90) -> int:
         if self.proc.poll() is None:
@@ -186,19 +177,6 @@ class Served:
         return self.proc.returncode
 
 
-def write_config(path: Path, cfg: dict) -> Path:
-    import yaml
-
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
-
-def controller_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SERVE_SRC), env.get("PYTHONPATH")]))
-    return env
-
-
 class Launcher:
     """Starts controllers on configs with private kvcached directories and a unique namespace
     prefix; :meth:`stop_all` stops every one it started."""
@@ -207,34 +185,15 @@ class Launcher:
         self.factory = factory
         self.started: list[Served] = []
 
-    def write(self, models: list[dict], **top: Any) -> tuple[Path, dict]:
+    def start(self, models: list[dict], ready_timeout: float = 300, **top: Any) -> Served:
         work = self.factory.mktemp("serve")
-        cfg = {"port": _free_port(), "shm_dir": str(work / "shm"), "ipc_dir": str(work / "ipc"),
+        cfg = {"port": free_port(), "shm_dir": str(work / "shm"), "ipc_dir": str(work / "ipc"),
                "namespace_prefix": f"t{uuid.uuid4().hex[:6]}-", "log_dir": str(work / "logs"),
                **top, "models": models}
-        return write_config(work / "serve.yaml", cfg), cfg
-
-    def start(self, models: list[dict], ready_timeout: float = 300, **top: Any) -> Served:
-        path, cfg = self.write(models, **top)
-        work = path.parent
-        log = work / "controller.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kvcached_serve", str(path)],
-                                    env=controller_env(), stdout=out, stderr=subprocess.STDOUT)
-        served = Served(proc, f"http://127.0.0.1:{cfg['port']}", cfg, work,
-                        Path(cfg["shm_dir"]), Path(cfg["ipc_dir"]), log)
+        proc, url, log = start_controller(cfg, work)
+        served = Served(proc, url, cfg, work, Path(cfg["shm_dir"]), Path(cfg["ipc_dir"]), log)
         self.started.append(served)
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            assert proc.poll() is None, f"the controller exited:\n{served.tail()}"
-            try:
-                status, _, _ = served.get("/health", timeout=5)
-                if status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"not healthy in time:\n{served.tail()}"
-            time.sleep(0.5)
+        wait_healthy(url, proc, log, ready_timeout)
         served.engines()
         return served
 

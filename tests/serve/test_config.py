@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve.conftest import controller_env, serve_importable, write_config
+from kvcached_testing.serve_controller import controller_env, write_config
+from tests.serve.conftest import serve_importable
 
 pytestmark = pytest.mark.skipif(not serve_importable(),
                                 reason="kvcached-serve's dependencies are not installed here")

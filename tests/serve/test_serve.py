@@ -299,6 +299,11 @@ def test_contended_budget_is_shared_by_demand(served: Served):
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             outcomes.append(f"{model}: {exc!r} after {chunks} events")
 
+    # Both engines serve before the streams start: a model (re)starting on a busy host may
+    # take longer than tiny-a's streams last, and the limits need both in flight at once.
+    for m in ("tiny-a", "tiny-b"):
+        completion(served, m)
+    assert served.state("tiny-a") == served.state("tiny-b") == "awake"
     threads = [threading.Thread(target=stream, args=(m,))
                for m in ("tiny-a", "tiny-a", "tiny-a", "tiny-b")]
     for t in threads:
