@@ -1,4 +1,5 @@
 // Backend registry: which backends this build holds and how to open one.
+#include <dlfcn.h>
 #include <pthread.h>
 
 #include <atomic>
@@ -66,6 +67,42 @@ std::unique_ptr<Backend> make_backend(const std::string& backend, int device) {
   }
   throw Error(ErrorKind::kInvalidArgument,
               "unknown backend '" + backend + "' (known: cuda, hip, host)");
+}
+
+bool SymbolReport::complete() const {
+  if (!load_error.empty()) return false;
+  for (const auto& s : symbols)
+    if (!s.second) return false;
+  return true;
+}
+
+std::string SymbolReport::missing() const {
+  std::string out;
+  for (const auto& s : symbols)
+    if (!s.second) out += (out.empty() ? "" : ", ") + s.first;
+  return out;
+}
+
+void* open_first_library(std::initializer_list<const char*> libraries, SymbolReport& report) {
+  std::string errors;
+  for (const char* name : libraries) {
+    if (void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) {
+      report.library = name;
+      report.load_error.clear();
+      return lib;
+    }
+    const char* err = dlerror();
+    errors += (errors.empty() ? "" : "; ") + std::string(err ? err : name);
+  }
+  report.library = *libraries.begin();
+  report.load_error = errors.empty() ? "dlopen failed" : errors;
+  return nullptr;
+}
+
+void* resolve_symbol(void* library, const char* symbol, SymbolReport& report) {
+  void* sym = library ? dlsym(library, symbol) : nullptr;
+  report.symbols.emplace_back(symbol, sym != nullptr);
+  return sym;
 }
 
 SymbolReport probe_backend(const std::string& backend) {

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -83,7 +84,20 @@ struct SymbolReport {
   std::string library;
   std::string load_error;  // empty when the library loaded
   std::vector<std::pair<std::string, bool>> symbols;
+
+  // The library loaded and every symbol resolved.
+  bool complete() const;
+  // The symbols not found, comma-separated.
+  std::string missing() const;
 };
+
+// A GPU backend's entry points are loaded at run time, never linked: the first of
+// `libraries` that dlopen loads (its name in report.library; when none loads, the
+// first name and every loader error in report.load_error), then each symbol by its
+// exact ABI name through resolve_symbol (nullptr, and recorded as missing, when the
+// library lacks it or did not load).
+void* open_first_library(std::initializer_list<const char*> libraries, SymbolReport& report);
+void* resolve_symbol(void* library, const char* symbol, SymbolReport& report);
 SymbolReport probe_backend(const std::string& backend);
 
 std::unique_ptr<Backend> make_host_backend(int device);

@@ -11,8 +11,6 @@
 //
 // Calls run in the device's primary context, the one the CUDA runtime and
 // PyTorch use, so tensors and kernels see the same mappings.
-#include <dlfcn.h>
-
 #include <mutex>
 
 #include "backend.h"
@@ -31,28 +29,15 @@ struct CudaApi {
 #undef KVCACHED_FIELD
   void* lib = nullptr;
   SymbolReport report;
-  bool complete = false;
 };
 
 CudaApi load_api() {
   CudaApi api;
-  api.report.library = kLibrary;
-  api.lib = dlopen(kLibrary, RTLD_NOW | RTLD_LOCAL);
-  if (api.lib == nullptr) {
-    const char* err = dlerror();
-    api.report.load_error = err ? err : "dlopen failed";
-  }
-  bool all = api.lib != nullptr;
-#define KVCACHED_RESOLVE(name, symbol, ...)                                   \
-  {                                                                           \
-    void* sym = api.lib ? dlsym(api.lib, symbol) : nullptr;                   \
-    api.name = reinterpret_cast<fn::name*>(sym);                              \
-    api.report.symbols.emplace_back(symbol, sym != nullptr);                  \
-    all = all && sym != nullptr;                                              \
-  }
+  api.lib = open_first_library({kLibrary}, api.report);
+#define KVCACHED_RESOLVE(name, symbol, ...) \
+  api.name = reinterpret_cast<fn::name*>(resolve_symbol(api.lib, symbol, api.report));
   KVCACHED_CUDA_DRIVER_FUNCTIONS(KVCACHED_RESOLVE)
 #undef KVCACHED_RESOLVE
-  api.complete = all;
   return api;
 }
 
@@ -90,13 +75,10 @@ class CudaBackend final : public Backend {
                       a.report.load_error +
                       "); is an NVIDIA driver installed on this machine?");
     }
-    if (!a.complete) {
-      std::string missing;
-      for (auto& s : a.report.symbols)
-        if (!s.second) missing += (missing.empty() ? "" : ", ") + s.first;
+    if (!a.report.complete()) {
       throw Error(ErrorKind::kUnavailable,
                   std::string("cuda backend: ") + kLibrary +
-                      " lacks entry points: " + missing +
+                      " lacks entry points: " + a.report.missing() +
                       " (driver older than the CUDA 11.2 VMM API?)");
     }
     CUresult rc = a.cuInit(0);

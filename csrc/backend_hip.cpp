@@ -11,8 +11,6 @@
 //
 // HIP keeps a current device per thread; each call switches to the backend's
 // device and back, so the runtime state PyTorch-ROCm sees is unchanged.
-#include <dlfcn.h>
-
 #include "backend.h"
 #include "driver_api/hip_runtime.h"
 
@@ -21,46 +19,23 @@ namespace {
 
 using namespace hip_runtime;
 
-// Tried in order; the unversioned name comes from a -dev package or ROCm.
-constexpr const char* kLibraries[] = {"libamdhip64.so", "libamdhip64.so.6",
-                                      "libamdhip64.so.5"};
-
 struct HipApi {
 #define KVCACHED_FIELD(name, symbol, ...) fn::name* name = nullptr;
   KVCACHED_HIP_RUNTIME_FUNCTIONS(KVCACHED_FIELD)
 #undef KVCACHED_FIELD
   void* lib = nullptr;
   SymbolReport report;
-  bool complete = false;
 };
 
 HipApi load_api() {
   HipApi api;
-  std::string errors;
-  for (const char* name : kLibraries) {
-    api.lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-    if (api.lib != nullptr) {
-      api.report.library = name;
-      break;
-    }
-    const char* err = dlerror();
-    errors += (errors.empty() ? "" : "; ") + std::string(err ? err : name);
-  }
-  if (api.lib == nullptr) {
-    api.report.library = kLibraries[0];
-    api.report.load_error = errors;
-  }
-  bool all = api.lib != nullptr;
-#define KVCACHED_RESOLVE(name, symbol, ...)                                   \
-  {                                                                           \
-    void* sym = api.lib ? dlsym(api.lib, symbol) : nullptr;                   \
-    api.name = reinterpret_cast<fn::name*>(sym);                              \
-    api.report.symbols.emplace_back(symbol, sym != nullptr);                  \
-    all = all && sym != nullptr;                                              \
-  }
+  // Tried in order; the unversioned name comes from a -dev package or ROCm.
+  api.lib = open_first_library({"libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"},
+                               api.report);
+#define KVCACHED_RESOLVE(name, symbol, ...) \
+  api.name = reinterpret_cast<fn::name*>(resolve_symbol(api.lib, symbol, api.report));
   KVCACHED_HIP_RUNTIME_FUNCTIONS(KVCACHED_RESOLVE)
 #undef KVCACHED_RESOLVE
-  api.complete = all;
   return api;
 }
 
@@ -97,12 +72,9 @@ class HipBackend final : public Backend {
                   "hip backend: cannot load libamdhip64.so (" +
                       a.report.load_error + "); is ROCm installed on this machine?");
     }
-    if (!a.complete) {
-      std::string missing;
-      for (auto& s : a.report.symbols)
-        if (!s.second) missing += (missing.empty() ? "" : ", ") + s.first;
+    if (!a.report.complete()) {
       throw Error(ErrorKind::kUnavailable, "hip backend: " + a.report.library +
-                                               " lacks entry points: " + missing);
+                                               " lacks entry points: " + a.report.missing());
     }
     hipError_t rc = a.hipInit(0);
     int count = 0;
