@@ -332,8 +332,9 @@ def main() -> None:
     p.add_argument("--hot-share", type=float, default=0.8)
     p.add_argument("--cv", type=float, default=2.0, help="gamma arrivals' coefficient of variation")
     p.add_argument("--prompt-len", type=parse_range, default=(800, 1400))
-    p.add_argument("--output-len", type=parse_range, default=(200, 400))
-    p.add_argument("--budget", type=int, default=48 << 20, help="total KV bytes")
+    p.add_argument("--output-len", type=parse_range, default=(50, 150))
+    p.add_argument("--budget", type=int, default=24 << 20,
+                   help="total KV bytes (the static split: 8 MiB, about 4096 tokens, a model)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT bound, seconds")
     p.add_argument("--idle-sleep", type=float, default=None,
