@@ -108,16 +108,21 @@ def controller_config(mode: str, model: Path, names: list[str], budget: int, wor
     # float32: vLLM's bf16 CPU attention dies on AMX hosts (tests/vllm/test_limit_and_serve.py).
     args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "seed": 0,
             "max_num_seqs": max_num_seqs, "no_enable_prefix_caching": True}
+    # vLLM's CPU worker binds its compute thread to the first free core ("auto"): every
+    # engine's to the same one. One unbound compute thread each lets the engines share
+    # the host's cores.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     models = []
     for name in names:
         m: dict[str, Any] = {"name": name, "engine": "vllm", "model": str(model)}
         if mode == "shared":
             m["args"] = {**args, "kv_cache_memory_bytes": budget}
+            m["env"] = env
             if idle_sleep:
                 m["idle"] = {"sleep_after_s": idle_sleep}
         else:
             m["args"] = {**args, "kv_cache_memory_bytes": budget // len(names)}
-            m["env"] = {"KVCACHED_ENABLED": "0"}
+            m["env"] = {**env, "KVCACHED_ENABLED": "0"}
         models.append(m)
     cfg: dict[str, Any] = {"port": free_port(), "shm_dir": str(work / "shm"),
                            "ipc_dir": str(work / "ipc"), "log_dir": str(work / "logs"),
@@ -395,6 +400,8 @@ def main() -> None:
                       + (f"; idle models sleep after {args.idle_sleep:g} s (process stop)"
                          if args.idle_sleep else "; sleep/wake off (see the notes)"),
             "static": "KVCACHED_ENABLED=0; each engine's kv_cache_memory_bytes = total / models",
+            "engine_env": "VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 (both modes: one "
+                          "unbound compute thread per engine)",
             "max_num_seqs": args.max_num_seqs,
             "slo_ttft_s": args.slo_ttft,
         },

@@ -65,6 +65,7 @@ from kvcached_core.ipc.shm import MappedRecord, read_records, shm_dir, text_fiel
 
 __all__ = [
     "BUDGET_PREFIX",
+    "FRUITLESS_WAIT_PAUSE_S",
     "NO_BUDGET",
     "BudgetReading",
     "BudgetRecord",
@@ -83,6 +84,9 @@ _SLOT_BYTES = 192
 SIZE = _HEAD_BYTES + MAX_SLOTS * _SLOT_BYTES
 NO_BUDGET = -1
 BUDGET_PREFIX = "kvcached-budget."
+#: After a :meth:`BudgetSlot.claim_waiting` that got nothing, its misses return at once
+#: for this long.
+FRUITLESS_WAIT_PAUSE_S = 1.0
 
 (_CAP, _CAP_GEN, _P_GEN, _P_BYTES, _P_SLOT, _P_PID, _P_NS, _DEV_TOTAL) = range(2, 10)
 _OFF_DEV, _NAME = 128, 64
@@ -366,6 +370,7 @@ class BudgetSlot:
         self._pid = pid
         self._base = record._slot_base(slot)
         self._finalizer = weakref.finalize(self, _leave, record, slot, pid)
+        self._wait_again_at = 0.0  # claim_waiting: no wait before (monotonic seconds)
 
     def __repr__(self) -> str:
         return f"<BudgetSlot {self.record.path.name}#{self.slot} mapped={self.mapped}>"
@@ -410,16 +415,23 @@ class BudgetSlot:
 
     def claim_waiting(self, nbytes: int, timeout: float) -> bool:
         """:meth:`claim`; on a miss while other pools hold memory, retry until they gave
-        enough back or ``timeout`` passed (the ask went out with the first try)."""
+        enough back or ``timeout`` passed (the ask went out with the first try).
+
+        A wait that got nothing means the others hold memory they cannot give (pages in
+        use): for :data:`FRUITLESS_WAIT_PAUSE_S` after it a miss returns at once, so an
+        engine asking for a page at every scheduling step does not wait at every one.
+        """
         if self.claim(nbytes):
             return True
-        if timeout <= 0 or self.others_mapped() < nbytes:
+        if (timeout <= 0 or time.monotonic() < self._wait_again_at
+                or self.others_mapped() < nbytes):
             return False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             time.sleep(0.002)
             if self.claim(nbytes, pressure=False):
                 return True
+        self._wait_again_at = time.monotonic() + FRUITLESS_WAIT_PAUSE_S
         return False
 
     def others_mapped(self) -> int:

@@ -107,6 +107,38 @@ def test_release_pressure_and_own_asks(shm_base):
     rec.close()
 
 
+def test_a_fruitless_wait_is_not_repeated_at_once(shm_base, monkeypatch):
+    """Another pool holds memory it does not give back: the first waiting claim waits its
+    timeout, the next ones miss at once until the pause is over; a claim with room is
+    granted at once throughout."""
+    import time
+
+    monkeypatch.setattr(bud, "FRUITLESS_WAIT_PAUSE_S", 0.5)
+    rec = bud.BudgetRecord.open("host", shm_base)
+    a, b = rec.join("a/kv0"), rec.join("b/kv0")
+    rec.set_capacity(16 * MiB)
+    assert a.claim(12 * MiB)
+
+    def timed(nbytes: int) -> tuple[bool, float]:
+        t0 = time.monotonic()
+        got = b.claim_waiting(nbytes, 0.2)
+        return got, time.monotonic() - t0
+
+    got, waited = timed(8 * MiB)
+    assert not got and waited >= 0.2
+    got, waited = timed(8 * MiB)
+    assert not got and waited < 0.1
+    assert timed(4 * MiB)[0]  # room left: no wait needed
+    b.release(4 * MiB)
+    time.sleep(0.5)
+    got, waited = timed(8 * MiB)
+    assert not got and waited >= 0.2  # the pause is over: it waits again
+    a.release(12 * MiB)
+    assert timed(8 * MiB)[0]
+    a.close(), b.close()
+    rec.close()
+
+
 def test_record_is_owner_only_and_bad_files_are_refused(shm_base):
     rec = bud.BudgetRecord.open("cuda0", shm_base)
     path = rec.path
