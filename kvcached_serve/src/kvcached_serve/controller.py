@@ -458,12 +458,13 @@ class Controller:
                 each = limit if limit == shm.NO_LIMIT else max(1, limit // len(pools))
                 for p in pools:
                     shm.set_limit(m.engine.namespace, p.pool, each, self.cfg.shm_dir)
-                m.kv_limit = limit
+                was, m.kv_limit = m.kv_limit, limit
                 if limit == shm.NO_LIMIT:
                     log.info("%s: KV limit lifted", m.cfg.name)
-                else:
-                    log.info("%s: KV limit %.1f MiB (%d of %d requests on %s)", m.cfg.name,
-                             limit / (1 << 20), demand[m], total, m.cfg.device)
+                else:  # set: info; moved with the demand (about once a second): debug
+                    log.log(logging.INFO if was == shm.NO_LIMIT else logging.DEBUG,
+                            "%s: KV limit %.1f MiB (%d of %d requests on %s)", m.cfg.name,
+                            limit / (1 << 20), demand[m], total, m.cfg.device)
 
     # ------------------------------------------------------------ views
 
