@@ -87,8 +87,8 @@ scheduling miss, like out of memory (after a wait that got nothing, misses retur
 at once for :data:`~kvcached_core.ipc.budget.FRUITLESS_WAIT_PAUSE_S`). Every
 allocator with a budget watches for such asks from its background thread (every
 :data:`CONTROL_POLL_S` seconds, a memory read) and gives back, cheapest first,
-until the budget has room for what was asked: its reserve and the backing's spare handles, then whole pages of
-evictable prefix cache through the *evictor* the engine adapter registers
+until the budget has room for what was asked: its reserve and the backing's spare
+handles, then whole pages of evictable prefix cache through the *evictor* the engine adapter registers
 (:meth:`PageAllocator.set_evictor`; it runs on the background thread, so it
 must take whatever lock guards the engine's block pool). A page in use is never
 given back. With a *limit source* (:meth:`PageAllocator.watch_limit`, e.g. the
