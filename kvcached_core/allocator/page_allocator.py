@@ -83,18 +83,19 @@ share of a budget every pool on the device draws from) fresh pages are claimed
 in the budget before they are mapped and released after they are unmapped; a
 claim the budget refuses asks the other pools for memory and, while they hold
 enough, waits up to :data:`BUDGET_WAIT_S` for them to give it; then it is a
-scheduling miss, like out of memory (after a wait that got nothing, misses return
-at once for :data:`~kvcached_core.ipc.budget.FRUITLESS_WAIT_PAUSE_S`). Every
-allocator with a budget watches for such asks from its background thread (every
-:data:`CONTROL_POLL_S` seconds, a memory read) and gives back, cheapest first,
-until the budget has room for what was asked: its reserve and the backing's spare
-handles, then whole pages of evictable prefix cache through the *evictor* the engine adapter registers
-(:meth:`PageAllocator.set_evictor`; it runs on the background thread, so it
-must take whatever lock guards the engine's block pool). A page in use is never
-given back. With a *limit source* (:meth:`PageAllocator.watch_limit`, e.g. the
-pool's shared-memory segment that ``kvctl limit`` writes) the same poll applies
-a new limit at once, also on an idle engine: the reserve goes, evictable pages
-are evicted down to the limit, pages in use shrink as they are freed.
+scheduling miss, like out of memory (after a wait that got nothing, misses
+return at once for :data:`~kvcached_core.ipc.budget.FRUITLESS_WAIT_PAUSE_S`).
+Every allocator with a budget watches for such asks from its background thread
+(every :data:`CONTROL_POLL_S` seconds, a memory read) and gives back, cheapest
+first, until the budget has room for what was asked: its reserve and the
+backing's spare handles, then whole pages of evictable prefix cache through the
+*evictor* the engine adapter registers (:meth:`PageAllocator.set_evictor`; it
+runs on the background thread, so it must take whatever lock guards the engine's
+block pool). A page in use is never given back. With a *limit source*
+(:meth:`PageAllocator.watch_limit`, e.g. the pool's shared-memory segment that
+``kvctl limit`` writes) the same poll applies a new limit at once, also on an
+idle engine: the reserve goes, evictable pages are evicted down to the limit,
+pages in use shrink as they are freed.
 
 Prefix cache
 ------------
