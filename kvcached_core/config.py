@@ -6,6 +6,8 @@ variable                        default  range          meaning
 KVCACHED_PAGE_SIZE_MB           2        1..1024        physical page per layer buffer (MiB)
 KVCACHED_CONTIGUOUS_LAYOUT      off                     one tensor for all layers
 KVCACHED_PREALLOC               on                      keep a reserve of mapped pages
+KVCACHED_MAP_AHEAD              on                      map the pages queued requests will take
+                                                        before they ask (engines that know)
 KVCACHED_MIN_RESERVED_PAGES     2        0..65536       refill the reserve below this many pages
 KVCACHED_MAX_RESERVED_PAGES     8        0..65536       never keep more mapped-but-unused pages
 KVCACHED_IDLE_TRIM_S            5        0..604800      trim the reserve after this long idle
@@ -181,6 +183,7 @@ class Settings:
     idle_keep_pages: int = 0
     device_budget: SizeSpec | None = None
     cache_idle_s: float = 30.0
+    map_ahead: bool = True
 
 
 #: Built-in defaults of :func:`load_settings` (an engine adapter may pass its own).
@@ -221,6 +224,7 @@ def load_settings(**defaults: float) -> Settings:
         page_size=page_mb * MiB,
         contiguous_layout=env_bool("KVCACHED_CONTIGUOUS_LAYOUT", False) if layout else None,
         prealloc=env_bool("KVCACHED_PREALLOC", True),
+        map_ahead=env_bool("KVCACHED_MAP_AHEAD", True),
         min_reserved_pages=min_res,
         max_reserved_pages=max_res,
         idle_trim_s=env_setting("KVCACHED_IDLE_TRIM_S", float(d["idle_trim_s"])),

@@ -280,6 +280,13 @@ class KVBlockManager:
                 if out is not None:
                     return out
 
+    def expect(self, blocks: int) -> None:
+        """The engine will ask for about ``blocks`` more blocks in its next steps: the pages
+        for those beyond the free blocks of held pages are mapped ahead
+        (:meth:`PageAllocator.expect`)."""
+        deficit = blocks - self._table.free_in_pages
+        self._pa.expect(-(-deficit // self._max_cap) if deficit > 0 else 0)
+
     def free(self, block_ids: Sequence[int]) -> None:
         """Return blocks; a page left with no allocated block goes back at once.
 

@@ -26,7 +26,11 @@ faster than one batch) the refill target is the number of pages allocated in
 the last :data:`DEMAND_WINDOW_S` seconds (between ``min_reserved`` and
 ``max_reserved``), so the pages a busy engine will take next are mapped while
 its current step runs; an allocation that a refill in flight will cover waits
-for it instead of mapping the same amount again. Unmapped handles stay with the
+for it instead of mapping the same amount again. An engine that knows what its
+queued requests will take tells :meth:`PageAllocator.expect`: the refill target
+is then at least those pages (within ``max_reserved``, for
+:data:`DEMAND_WINDOW_S` or until the next hint), so a burst's next steps find
+their pages mapped before they ask, not only once the allocation rate shows it. Unmapped handles stay with the
 mapper as *spare handles* for the next map, and the allocator trims them to
 ``max_reserved`` pages' worth after each unmap, so the physical footprint is at
 most in-use + 2 x ``max_reserved`` pages. After ``idle_trim_s`` seconds without
@@ -354,6 +358,8 @@ class PageAllocator:
         self._follow = kv_tensors.device.is_gpu if follow_demand is None else bool(follow_demand)
         self._demand: deque[tuple[float, int]] = deque()  # (time, pages) of recent allocations
         self._demand_sum = 0
+        self._expected = 0  # pages the engine's queued requests will take (expect())
+        self._expected_until = 0.0
 
         self._cond = threading.Condition(threading.RLock())
         self._state = bytearray(n)  # all _FREE
@@ -556,6 +562,36 @@ class PageAllocator:
         if not fresh:
             return taken
         return taken + fresh if self._map_fresh(taken, fresh) else None
+
+    def expect(self, pages: int) -> None:
+        """The engine's queued requests will take about ``pages`` more pages in its next steps.
+
+        The background thread maps them ahead into the reserve (up to ``max_reserved``,
+        where the limit and device memory have room and the budget has it without asking
+        other pools), so the allocations of those steps take mapped pages instead of
+        waiting for a map. A hint holds for :data:`DEMAND_WINDOW_S` or until the next one
+        (``0`` withdraws it); pages mapped for a hint that no allocation takes go with the
+        idle trim. Needs ``prealloc``; cheap enough to call at every scheduling step.
+        """
+        if pages <= 0 and not self._expected:
+            return
+        self._check_owner()
+        if self._prealloc and pages > 0:
+            self._ensure_refiller()
+        with self._cond:
+            if self._closed:
+                return
+            now = time.monotonic()
+            self._expected = max(0, int(pages))
+            self._expected_until = now + DEMAND_WINDOW_S
+            if (
+                self._prealloc
+                and self._free
+                and len(self._reserved) + self._n_prefetch < self._refill_target_locked(now)
+            ):
+                self._touch_locked(now)  # pages are wanted: an idle spell ends
+                self._refill_wanted = True
+                self._cond.notify_all()
 
     def alloc_page(self) -> int | None:
         """One page id, or ``None`` when there is no space."""
@@ -832,12 +868,18 @@ class PageAllocator:
 
     def _refill_target_locked(self, now: float) -> int:
         """How many pages the reserve should hold now (see the module docs)."""
-        if not self._follow:
-            return self._min_reserved
-        demand = self._demand
-        while demand and now - demand[0][0] > DEMAND_WINDOW_S:
-            self._demand_sum -= demand.popleft()[1]
-        return max(self._min_reserved, min(self._demand_sum, self._max_reserved))
+        want = 0
+        if self._expected:
+            if now < self._expected_until:
+                want = self._expected
+            else:
+                self._expected = 0
+        if self._follow:
+            demand = self._demand
+            while demand and now - demand[0][0] > DEMAND_WINDOW_S:
+                self._demand_sum -= demand.popleft()[1]
+            want = max(want, self._demand_sum)
+        return max(self._min_reserved, min(want, self._max_reserved))
 
     def _touch_locked(self, now: float | None = None) -> None:
         self._last_activity = time.monotonic() if now is None else now

@@ -160,6 +160,72 @@ def test_an_allocation_waits_for_a_refill_that_covers_it(make_stack):
     assert len(got) == 8 and s.kv.mapper.stats().handles_created == created
 
 
+def test_pages_expected_are_mapped_before_they_are_asked_for(make_stack):
+    """An engine's queued requests: their pages are mapped ahead, so the allocation that
+    follows takes mapped pages (no driver call on the allocating thread)."""
+    s = make_stack(block_bytes=None, num_pages=64, prealloc=True, follow_demand=False,
+                   min_reserved=0, max_reserved=12, idle_trim_s=0)
+    pa = s.pages
+    pa.free_pages(pa.alloc_pages(1))  # the background thread is running, the reserve empty
+    pa.trim()
+    assert mapped(s) == 0
+    pa.expect(10)
+    assert wait_until(lambda: pa.num_reserved == 10)
+    created = s.kv.mapper.stats().handles_created
+    got = pa.alloc_pages(10)
+    assert len(got) == 10 and s.kv.mapper.stats().handles_created == created
+    pa.expect(40)  # more than the reserve may hold: capped at max_reserved
+    assert wait_until(lambda: pa.num_reserved == 12) and pa.wait_idle(5)
+    assert pa.num_reserved == 12
+
+
+def test_an_expectation_lapses_and_goes_with_the_idle_trim(make_stack):
+    s = make_stack(block_bytes=None, num_pages=64, prealloc=True, follow_demand=False,
+                   min_reserved=0, max_reserved=8, idle_trim_s=0.3, idle_keep=0)
+    pa = s.pages
+    pa.free_pages(pa.alloc_pages(1))
+    assert wait_until(lambda: mapped(s) == 0)  # idle: trimmed
+    pa.expect(6)  # a hint after the idle trim still maps ...
+    assert wait_until(lambda: pa.num_reserved == 6)
+    time.sleep(DEMAND_WINDOW_S + 0.05)
+    assert pa._refill_target_locked(time.monotonic()) == 0  # ... lapses ...
+    assert wait_until(lambda: mapped(s) == 0)  # ... and, unused, goes with the next idle trim
+    pa.expect(0)  # withdrawing nothing is a no-op
+    assert pa.num_reserved == 0
+
+
+def test_an_expectation_stays_within_the_limit_and_without_prealloc_does_nothing(make_stack):
+    s = make_stack(block_bytes=None, num_pages=64, prealloc=True, follow_demand=False,
+                   min_reserved=0, max_reserved=16, idle_trim_s=0)
+    pa = s.pages
+    pa.set_memory_limit(5 * pa.page_bytes)
+    pa.free_pages(pa.alloc_pages(2))
+    pa.expect(16)
+    assert pa.wait_idle(5)
+    time.sleep(0.1)
+    assert mapped(s) == 5  # the limit bounds what is mapped ahead
+    off = make_stack(block_bytes=None, num_pages=64, prealloc=False, min_reserved=0,
+                     max_reserved=16, idle_trim_s=0)
+    off.pages.expect(8)
+    time.sleep(0.1)
+    assert mapped(off) == 0
+
+
+def test_the_block_manager_expects_pages_for_blocks_beyond_its_free_ones(make_stack):
+    s = make_stack(num_pages=64, prealloc=True, follow_demand=False, min_reserved=0,
+                   max_reserved=32, idle_trim_s=0)
+    blocks, pa = s.blocks, s.pages
+    per_page = len(blocks.blocks_in_page(1))  # blocks a page holds
+    blocks.free(blocks.alloc(1))
+    pa.trim()
+    free = blocks.num_free_blocks_in_pages
+    blocks.expect(free)  # what held pages already hold asks for nothing
+    time.sleep(0.1)
+    assert pa.num_reserved == 0
+    blocks.expect(free + 3 * per_page)
+    assert wait_until(lambda: pa.num_reserved == 3)
+
+
 @pytest.mark.parametrize("n", [0, 3])
 def test_one_fence_serves_several_allocators_and_holds_none(n):
     import gc

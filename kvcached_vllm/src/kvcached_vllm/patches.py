@@ -29,7 +29,8 @@ cpu-virtual-kv-budget                  all (CPU)     KV budget not pinned by fre
 gpu-virtual-kv-budget                  all (GPU)     ditto: the start-up free-memory check
 page-aligned-kv-blocks                 all           block count keeps layer regions page-aligned
 elastic-scheduler-setup                all           kvcached setup with the scheduler's config
-step-fence-scheduled                   all           count scheduled steps (the unmap fence)
+step-fence-scheduled                   all           count scheduled steps (the unmap fence);
+                                                     map ahead what queued requests take
 step-fence-completed                   all           count completed steps (the unmap fence)
 release-records-on-shutdown            all           the pool's usage record and budget share go
                                                      before vLLM's teardown
@@ -213,6 +214,8 @@ FENCE_ATTR = "_kvcached_fence"
 STEP_ATTR = "_kvcached_step"
 #: Where an elastic scheduler keeps the lock its block pool's eviction hook takes.
 LOCK_ATTR = "_kvcached_lock"
+#: Where an elastic scheduler keeps its runtime's ``map_ahead`` (when on).
+AHEAD_ATTR = "_kvcached_map_ahead"
 
 
 def wrap_scheduler_init(original: Any) -> Any:
@@ -226,10 +229,14 @@ def wrap_scheduler_init(original: Any) -> Any:
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         with scheduler_context(bound["vllm_config"], bound["kv_cache_config"]) as built:
             original(self, *args, **kwargs)
-        if built.runtime is not None:
-            setattr(self, LOCK_ATTR, built.runtime.lock)
-            if built.runtime.pool.fence is not None:
-                setattr(self, FENCE_ATTR, built.runtime.pool.fence)
+        rt = built.runtime
+        if rt is not None:
+            setattr(self, LOCK_ATTR, rt.lock)
+            if rt.pool.fence is not None:
+                setattr(self, FENCE_ATTR, rt.pool.fence)
+            rt.plan_ahead(self)
+            if rt.ahead:
+                setattr(self, AHEAD_ATTR, rt.map_ahead)
 
     return __init__
 
@@ -254,12 +261,17 @@ def wrap_locked(original: Any) -> Any:
 
 
 def wrap_schedule(original: Any) -> Any:
-    """Number each step an elastic scheduler hands to the workers (see :class:`StepFence`)."""
+    """Number each step an elastic scheduler hands to the workers (see :class:`StepFence`),
+    then map ahead the pages its queued requests will take next
+    (:meth:`~kvcached_vllm.scheduler.ElasticRuntime.map_ahead`)."""
 
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         with _pool_lock(self):
             output = original(self, *args, **kwargs)
+            ahead = self.__dict__.get(AHEAD_ATTR)
+            if ahead is not None:
+                ahead(self)
         fence = self.__dict__.get(FENCE_ATTR)
         if fence is not None:
             seq = fence.step_scheduled()
@@ -561,7 +573,8 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
                   description="kvcached setup with the scheduler's TP/PP sizes"),
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.schedule", versions=ALL,
                   wrapper=wrap_schedule, name="step-fence-scheduled",
-                  description="number the steps handed to the workers"),
+                  description="number the steps handed to the workers; map ahead the "
+                              "pages queued requests will take"),
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", versions=ALL,
                   wrapper=wrap_update_from_output, name="step-fence-completed",
                   description="a step's output arrived: pages it could read may be unmapped"),

@@ -36,6 +36,7 @@ between steps. ``kvctl limit`` reaches the engine the same way.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -77,6 +78,9 @@ SETTINGS = dict(idle_trim_s=1.0, idle_keep_pages=1)
 #: 512 tokens) while the workers map about 40 GB/s: the reserve follows the
 #: allocation rate up to this many bundles, mapped while the step runs.
 GPU_SETTINGS = dict(SETTINGS, max_reserved_pages=64)
+#: Steps ahead whose queued tokens :meth:`ElasticRuntime.map_ahead` maps pages for: with
+#: async scheduling the next step is scheduled at once, the one after while a step runs.
+LOOKAHEAD_STEPS = 2
 
 
 @dataclass
@@ -91,6 +95,60 @@ class ElasticRuntime:
     #: Held around the scheduler's calls that touch the block pool, and by the
     #: page allocator's background thread while it evicts cached blocks.
     lock: Any = dataclasses.field(default_factory=threading.RLock)
+    #: Map ahead what queued requests will take (``KVCACHED_MAP_AHEAD``); set off for
+    #: good when a scheduler lacks what it reads.
+    ahead: bool = True
+    #: Tokens :meth:`map_ahead` looks at, KV blocks per token per KV cache group.
+    ahead_tokens: int = 0
+    block_size: int = 16
+    groups: int = 1
+
+    def plan_ahead(self, scheduler: Any) -> None:
+        """Size :meth:`map_ahead` from a built scheduler (its token budget per step)."""
+        per_step = int(getattr(scheduler, "max_num_scheduled_tokens", 0) or 0)
+        self.ahead = self.ahead and per_step > 0
+        self.ahead_tokens = LOOKAHEAD_STEPS * per_step
+
+    def map_ahead(self, scheduler: Any) -> None:
+        """After a step was scheduled: have the pages mapped that the next
+        :data:`LOOKAHEAD_STEPS` steps will take for the requests queued now.
+
+        Counts the tokens of waiting requests in queue order, the rest of the prompts
+        still being prefilled in chunks, and one token a step for each running request,
+        up to the token budget of those steps; prefix-cache hits are not known yet, so it
+        errs high (the reserve's cap bounds it, the idle trim takes what goes unused).
+        Runs under the pool's lock, on the scheduling thread: a look at the newest running
+        requests and at waiting ones until the budget is met. A scheduler without the
+        fields it reads turns it off (logged once); it never fails a step.
+        """
+        if not self.ahead:
+            return
+        try:
+            budget = self.ahead_tokens
+            running = scheduler.running
+            tokens = len(running) * LOOKAHEAD_STEPS
+            for req in reversed(running):  # the newest: prefills that continue in chunks
+                left = req.num_prompt_tokens - req.num_computed_tokens
+                if left <= 0:
+                    break
+                tokens += left
+            for queue in (scheduler.waiting, getattr(scheduler, "skipped_waiting", None)):
+                if tokens >= budget:
+                    break
+                if not queue:
+                    continue
+                if not isinstance(queue, collections.deque):  # a priority heap: not in order
+                    tokens += budget
+                    break
+                for req in queue:
+                    tokens += req.num_tokens - req.num_computed_tokens
+                    if tokens >= budget:
+                        break
+            self.pool.blocks.expect(min(tokens, budget) * self.groups // self.block_size)
+        except Exception:  # an unexpected scheduler: serve without the hint
+            self.ahead = False
+            log.warning("kvcached: mapping ahead of queued requests is off: this scheduler "
+                        "lacks what it reads", exc_info=True)
 
     def attach_pool(self, block_pool: Any) -> None:
         """Let the page allocator evict the block pool's cached pages (budget asks, lower limits)."""
@@ -186,13 +244,16 @@ def build_runtime(vllm_config: Any, kv_cache_config: Any) -> ElasticRuntime | No
     # Only a scheduler that runs ahead of its workers frees blocks a pending step may read.
     ahead = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling",
                          False))
+    settings = load_settings(**(GPU_SETTINGS if gpu else SETTINGS))
     pool = ElasticPool.remote(
         layout, endpoints, device, local_server=_local_server(ns, endpoints),
         block_bytes=geo.block_bytes, num_blocks=geo.num_blocks, block_offset=geo.block_offset,
-        namespace=ns, name="kv0", settings=load_settings(**(GPU_SETTINGS if gpu else SETTINGS)),
-        fence=StepFence() if ahead else None)
-    block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-    rt = ElasticRuntime(ns, geo, pool, _max_cached_blocks(block_size))
+        namespace=ns, name="kv0", settings=settings, fence=StepFence() if ahead else None)
+    groups = kv_cache_config.kv_cache_groups
+    block_size = groups[0].kv_cache_spec.block_size
+    rt = ElasticRuntime(ns, geo, pool, _max_cached_blocks(block_size),
+                        ahead=settings.map_ahead and settings.prealloc,
+                        block_size=block_size, groups=len(groups))
     _RUNTIMES.append(rt)
     log.info(
         "kvcached: elastic KV cache for vLLM: %d blocks of %d bytes (from byte %d) x %d regions, "
