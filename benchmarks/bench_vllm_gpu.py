@@ -441,7 +441,7 @@ def kv_blocks(engine: Engine) -> int | None:
 
 
 def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str],
-                lock: threading.Lock, deadline: float) -> dict:
+                lock: threading.Lock, deadline: float, env: dict | None = None) -> dict:
     """One model x runner x mode: for each KV sizing a vanilla, a control and a kvcached engine.
 
     The group's engines share one torch.compile cache: the first vanilla engine fills it,
@@ -465,7 +465,7 @@ def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str
             return Engine(f"{label}-{n}", path, enabled=n == "kvcached",
                           kv_bytes=TINY_KV if sizing == "bytes" else None,
                           utilization=TOKEN_UTILIZATION, start=False, max_num_seqs=64,
-                          extra_env={"VLLM_CACHE_ROOT": cache}, **kw)
+                          extra_env={"VLLM_CACHE_ROOT": cache, **(env or {})}, **kw)
 
         try:
             for n in ("vanilla", "control", "kvcached"):
@@ -501,6 +501,13 @@ def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str
     return out
 
 
+def token_env(args: argparse.Namespace) -> dict:
+    """``--inproc``: every engine's core runs in its ``LLM``'s process, so a ``generate``
+    call's requests are all queued before its first step and batches do not depend on
+    when requests reach a separate engine-core process (vLLM's default on GPUs)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.inproc else {}
+
+
 def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dict:
     """Every model shape x runner x mode x KV sizing, each with a vanilla A/A control; then
     batch-invariant mode, where vanilla and kvcached must agree exactly."""
@@ -515,14 +522,15 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
                                        for c in args.configs)
 
     lock = threading.Lock()
-    out: dict = {"utilization": TOKEN_UTILIZATION, "kv_bytes": TINY_KV}
+    out: dict = {"utilization": TOKEN_UTILIZATION, "kv_bytes": TINY_KV,
+                 "engine_env": token_env(args)}
     jobs = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         for m, r, mode in groups:
             sizings = [s for s in ("bytes", "util") if wanted(f"{m}-{r}-{mode}-{s}")]
             if sizings:
                 jobs.append(pool.submit(token_group, m, models[m], r, mode, sizings, lock,
-                                        deadline))
+                                        deadline, token_env(args)))
         for job in jobs:
             out.update(job.result())
     if time.monotonic() < deadline - 60 and (not args.configs or "batch-invariant" in args.configs):
@@ -534,7 +542,8 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
                                     kv_bytes=TINY_KV, eager=True, v2=True, start=False,
                                     max_num_seqs=64,
                                     extra_env={"VLLM_BATCH_INVARIANT": "1",
-                                               "VLLM_CACHE_ROOT": tempfile.mkdtemp()})
+                                               "VLLM_CACHE_ROOT": tempfile.mkdtemp(),
+                                               **token_env(args)})
             for e in engines.values():
                 e.wait_ready()
             res = {n: token_workload(e) for n, e in engines.items()}
@@ -837,6 +846,8 @@ def main(argv=None) -> int:
                     help="tokens: only configurations whose label starts with one of these "
                          "or has it as a part (MODEL-RUNNER-MODE-SIZING: tiny-v1-graphs-util, "
                          "h128, graphs, util; batch-invariant); perf: throughput and/or share")
+    ap.add_argument("--inproc", action="store_true",
+                    help="tokens: engine cores in their LLM's process (deterministic batches)")
     ap.add_argument("--parallel", type=int, default=3,
                     help="tokens: model x runner x mode groups run at once")
     ap.add_argument("--variant", action="append", default=[],
