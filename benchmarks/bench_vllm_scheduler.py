@@ -1,7 +1,8 @@
 """vLLM's scheduler with and without kvcached, replayed without a model: engine-core CPU per step.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_scheduler.py [--rounds 6] [--profile]
-        [--emulate-map-us 850] [--out benchmarks/results/vllm-cpu-scheduler-replay.json]
+        [--emulate-map-us 850] [--emulate-gpu 6000,4]
+        [--out benchmarks/results/vllm-cpu-scheduler-replay.json]
 
 Why: on an H200 vLLM with kvcached matched vanilla throughput on a host with a
 fast CPU/driver path and read 0.85-0.93x on hosts whose CPU path is ~45 %
@@ -59,8 +60,13 @@ inside ``KVBlockManager._grow`` (new pages for a step: a page from the reserve,
 or a synchronous map), page maps and unmaps (pages, calls, seconds, split by
 the scheduling thread and kvcached's background thread) during the round and
 during the pause before it, and mapped pages at the round's start and end.
-Reported: medians over rounds, kvcached/vanilla ratios for schedule, update and
-their sum, per-step means (us), and per-step latency summaries. ``--profile``
+Reported: medians over rounds, kvcached/vanilla ratios for schedule, update,
+their sum and the round's wall time, per-step means (us), and per-step latency
+summaries. ``--emulate-gpu US,US_PER_TOKEN`` puts a device's time into the loop: each
+step takes that long after the previous one, and its output is applied no sooner,
+so kvcached's page thread can map while a step runs (as on a GPU) and the wall
+time ratio stands for throughput (6000,4: about the 1B model's steps on an H100,
+70 ms for a 16k-token prefill, 7 ms for a decode step of 256). ``--profile``
 runs the kvcached scheduler's rounds under cProfile (after the timed rounds, so
 the timings are not inflated) and records the top 25 functions by cumulative and
 by own time, for both schedulers. ``--emulate-map-us N`` keeps the worker out of
@@ -328,10 +334,18 @@ def fake_output(sched, out):
                              sampled_token_ids=sampled)
 
 
-def serve(sched, requests: list, queue_size: int, pool=None) -> dict:
+def serve(sched, requests: list, queue_size: int, pool=None,
+          gpu: tuple[float, float] | None = None) -> dict:
     """Serve ``requests`` to completion as ``EngineCore.step_with_batch_queue`` (or ``step``
-    with a queue of one) does; the engine core's time in the scheduler."""
+    with a queue of one) does; the engine core's time in the scheduler.
+
+    ``gpu`` (``--emulate-gpu``: microseconds a step, and per scheduled token) stands in for
+    the device: a step runs once the previous one is done, and its output is applied no
+    sooner than it would be done, so the engine core waits as on a GPU and background work
+    (kvcached's page thread) runs meanwhile.
+    """
     sched_s, update_s, steps_sched, steps_update = [], [], 0, 0
+    gpu_free = 0.0
     for req in requests:
         sched.add_request(req)
     queue: collections.deque = collections.deque()
@@ -344,11 +358,18 @@ def serve(sched, requests: list, queue_size: int, pool=None) -> dict:
             out = sched.schedule()
             sched_s.append(time.perf_counter() - t0)
             steps_sched += 1
-            queue.appendleft((out, fake_output(sched, out)))
             executed = out.total_num_scheduled_tokens > 0
+            done_at = 0.0
+            if gpu is not None and executed:
+                gpu_free = done_at = max(time.perf_counter(), gpu_free) + 1e-6 * (
+                    gpu[0] + gpu[1] * out.total_num_scheduled_tokens)
+            queue.appendleft((out, fake_output(sched, out), done_at))
             if len(queue) < queue_size and (executed or sched.has_requests()):
                 continue
-        out, mro = queue.pop()
+        out, mro, done_at = queue.pop()
+        wait = done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
         t0 = time.perf_counter()
         sched.update_from_output(out, mro)
         update_s.append(time.perf_counter() - t0)
@@ -381,6 +402,10 @@ def main() -> None:
     ap.add_argument("--emulate-map-us", type=float, default=None,
                     help="map / unmap skip the worker and take this many us per page id "
                          "(0: kvcached's bookkeeping alone)")
+    ap.add_argument("--emulate-gpu", metavar="US,US_PER_TOKEN",
+                    help="a device that takes US + US_PER_TOKEN x scheduled tokens per step: "
+                         "the engine core waits for each step's output as on a GPU, and "
+                         "round_wall_s compares like throughput")
     ap.add_argument("--cpu-path", action="store_true",
                     help="the CPU engine's settings: synchronous Scheduler, no fence, SETTINGS")
     ap.add_argument("--profile", action="store_true",
@@ -442,7 +467,7 @@ def main() -> None:
         "page_requests": "in-process page server" if local else "IPC socket",
         "settings": {k: getattr(settings, k) for k in
                      ("idle_trim_s", "idle_keep_pages", "max_reserved_pages", "min_reserved_pages",
-                      "page_size") if hasattr(settings, k)},
+                      "page_size", "cache_idle_s", "map_ahead") if hasattr(settings, k)},
         "block_offset": rt.geometry.block_offset, "num_blocks": kv_kc.num_blocks,
         "vanilla_num_blocks": van_kc.num_blocks, "block_bytes_per_layer": block_bytes,
         "layers": args.layers, "pages": rt.geometry.num_pages,
@@ -461,6 +486,10 @@ def main() -> None:
     init_none_hash(caching_hash)
     hasher = get_request_block_hasher(kv_kc.hash_block_size, caching_hash)
     qsize = 1 if args.cpu_path else 2
+    gpu = tuple(float(x) for x in args.emulate_gpu.split(",")) if args.emulate_gpu else None
+    if gpu is not None and len(gpu) != 2:
+        raise SystemExit(f"--emulate-gpu={args.emulate_gpu!r}: give US,US_PER_TOKEN")
+    setup["emulated_gpu_us"] = {"per_step": gpu[0], "per_token": gpu[1]} if gpu else None
     scheds = {"vanilla": vanilla, "kvcached": elastic}
 
     def one(name: str, prompts, tag: str) -> dict:
@@ -470,7 +499,7 @@ def main() -> None:
             start_mapped = pa.num_mapped
             grow.take()
         res = serve(scheds[name], make_requests(prompts, tag, args.max_tokens, hasher), qsize,
-                    pool if is_kv else None)
+                    pool if is_kv else None, gpu)
         if is_kv:
             res.update(pause_page_calls=pause, round_page_calls=calls.take(),
                        grow=grow.take(), mapped_pages_start=start_mapped,
@@ -518,7 +547,7 @@ def main() -> None:
         (a[k] if k != "sum_s" else a["schedule_s"] + a["update_s"])
         / (b[k] if k != "sum_s" else b["schedule_s"] + b["update_s"])
         for a, b in zip(rounds["kvcached"], rounds["vanilla"])), 3)
-        for k in ("schedule_s", "update_s", "sum_s")}
+        for k in ("schedule_s", "update_s", "sum_s", "round_wall_s")}
     kvr = rounds["kvcached"]
     pages = {
         "grow_s_median": statistics.median(x["grow"]["seconds"] for x in kvr),
