@@ -131,3 +131,31 @@ def test_engine_command_and_environment(tmp_path: Path):
     scmd = s.command()
     assert scmd[:3] == ["/envs/sg/bin/python", "-m", "sglang.launch_server"]
     assert "--enable-memory-saver" in scmd and scmd[scmd.index("--model-path") + 1] == "org/s"
+
+
+def test_vllm_engines_on_the_cpu_get_cores_of_their_own(tmp_path: Path, monkeypatch):
+    """vLLM binds every CPU engine to the same first cores: the controller splits them."""
+    from kvcached_serve.config import parse_config
+    from kvcached_serve.engines import CPU_BIND_VAR, cpu_binding
+
+    monkeypatch.delenv(CPU_BIND_VAR, raising=False)
+    m = str(_models(tmp_path)[0]["model"])
+    models = [{"name": n, "engine": "vllm", "model": m} for n in ("a", "b", "c")]
+    cfg = parse_config({"models": [*models, {"name": "s", "engine": "sglang", "model": m},
+                                   {"name": "t", "engine": "vllm", "model": m,
+                                    "args": {"tensor_parallel_size": 2}}]})
+    binds = [cpu_binding(cfg, x, cpus=list(range(8))) for x in cfg.models]
+    assert binds[:3] == [{CPU_BIND_VAR: "0,1"}, {CPU_BIND_VAR: "2,3"}, {CPU_BIND_VAR: "4,5"}]
+    assert binds[3:] == [{}, {}]  # SGLang, and a parallel engine: their own defaults
+    few = [cpu_binding(cfg, x, cpus=[0, 1]) for x in cfg.models[:3]]
+    assert few == [{CPU_BIND_VAR: "nobind", "OMP_NUM_THREADS": "1"}] * 3
+    alone = parse_config({"models": [models[0]]})
+    assert cpu_binding(alone, alone.models[0], cpus=list(range(8))) == {}
+    own = parse_config({"models": [{**models[0], "env": {CPU_BIND_VAR: "7"}}, models[1]]})
+    assert cpu_binding(own, own.models[1], cpus=list(range(8))) == {}  # one left: vLLM's own
+    from kvcached_serve.engines import EngineProcess
+
+    env = EngineProcess(own, own.models[0], tmp_path).environment()
+    assert env[CPU_BIND_VAR] == "7"  # the config's own binding wins
+    monkeypatch.setenv(CPU_BIND_VAR, "nobind")  # so does the controller's environment
+    assert cpu_binding(cfg, cfg.models[0], cpus=list(range(8))) == {}

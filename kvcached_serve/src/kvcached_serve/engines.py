@@ -36,7 +36,7 @@ import httpx
 from kvcached_serve.config import ModelConfig, ServeConfig
 
 __all__ = ["EngineError", "EngineProcess", "EngineSleep", "ProcessSleep", "SleepMode",
-           "sleep_mode_for"]
+           "cpu_binding", "sleep_mode_for"]
 
 log = logging.getLogger("kvcached_serve")
 
@@ -58,6 +58,54 @@ def _free_port(host: str = "127.0.0.1", highest: int = 65535) -> int:
         if port <= highest:
             return port
     raise EngineError(f"no free port at or below {highest} on {host}")
+
+
+#: vLLM's CPU worker binds its compute threads to cores after this variable (default ``auto``).
+CPU_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binding(cfg: ServeConfig, model: ModelConfig,
+                cpus: list[int] | None = None) -> dict[str, str]:
+    """Where a vLLM engine on the CPU computes, when the config does not say.
+
+    vLLM's default (``auto``) binds every CPU engine's compute threads to the same first
+    cores, so several engines compute on one core while the others idle. With more than one
+    vLLM CPU engine configured, each gets its own contiguous share of the controller's cores
+    (in config order); with fewer cores than such engines, none is bound and each computes
+    on one thread. A binding in the model's ``env`` or the controller's environment wins,
+    as does a single vLLM CPU engine (vLLM's default serves it well); an engine with several
+    workers (tensor or pipeline parallel) keeps vLLM's default, which binds per worker.
+    """
+    def ours(m: ModelConfig) -> bool:
+        return (m.engine == "vllm" and m.device == "cpu" and CPU_BIND_VAR not in m.env
+                and not _parallel(m))
+
+    if not ours(model) or CPU_BIND_VAR in os.environ:
+        return {}
+    peers = [m for m in cfg.models if ours(m)]
+    if len(peers) < 2:
+        return {}
+    cores = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(cores) < len(peers):
+        return {CPU_BIND_VAR: "nobind", "OMP_NUM_THREADS": "1"}
+    share = len(cores) // len(peers)
+    i = next(k for k, m in enumerate(peers) if m.name == model.name)
+    mine = cores[i * share:(i + 1) * share]
+    return {CPU_BIND_VAR: ",".join(str(c) for c in mine)}
+
+
+_PARALLEL_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "tp", "pp")
+
+
+def _parallel(model: ModelConfig) -> bool:
+    """Whether the model's engine flags ask for more than one worker."""
+    args = model.args
+    if isinstance(args, dict):
+        sizes = [v for k, v in args.items() if k.replace("-", "_") in _PARALLEL_FLAGS]
+    else:
+        sizes = [v for k, v in zip(args, args[1:])
+                 if k.lstrip("-").replace("-", "_") in _PARALLEL_FLAGS]
+    return any(str(v) != "1" for v in sizes)
 
 
 class EngineProcess:
@@ -119,6 +167,7 @@ class EngineProcess:
             env["CUDA_VISIBLE_DEVICES"] = m.device.split(":")[1]
         if self.engine_sleep and m.engine == "vllm":
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep, /wake_up, /is_sleeping
+        env.update(cpu_binding(self.cfg, m))
         env.update(m.env)
         return env
 
