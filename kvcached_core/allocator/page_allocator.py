@@ -586,10 +586,10 @@ class PageAllocator:
             self._expected_until = now + DEMAND_WINDOW_S
             if (
                 self._prealloc
-                and self._free
+                and self._room_locked() > 0
                 and len(self._reserved) + self._n_prefetch < self._refill_target_locked(now)
             ):
-                self._touch_locked(now)  # pages are wanted: an idle spell ends
+                self._touch_locked(now)  # pages are wanted and may come: an idle spell ends
                 self._refill_wanted = True
                 self._cond.notify_all()
 
