@@ -30,7 +30,8 @@ for it instead of mapping the same amount again. An engine that knows what its
 queued requests will take tells :meth:`PageAllocator.expect`: the refill target
 is then at least those pages (within ``max_reserved``, for
 :data:`DEMAND_WINDOW_S` or until the next hint), so a burst's next steps find
-their pages mapped before they ask, not only once the allocation rate shows it. Unmapped handles stay with the
+their pages mapped before they ask, not only once the allocation rate shows it.
+Unmapped handles stay with the
 mapper as *spare handles* for the next map, and the allocator trims them to
 ``max_reserved`` pages' worth after each unmap, so the physical footprint is at
 most in-use + 2 x ``max_reserved`` pages. After ``idle_trim_s`` seconds without
