@@ -13,7 +13,9 @@
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
 # BENCH_ARGS passes more options to bench_vllm_gpu.py (e.g. BENCH_ARGS="--reps 12", or
 # "--variant held:KVCACHED_IDLE_TRIM_S=0 --stacks $OUT/stacks" to compare settings and see where
-# each engine's Python threads spend their time: $OUT/stacks.tgz).
+# each engine's Python threads spend their time: $OUT/stacks.tgz; "--kv-gib 12 --variant
+# ahead-off:KVCACHED_MAP_AHEAD=0" for map-ahead's share of perf; "--inproc" with tokens for
+# engine cores in their LLM's process, so batches do not depend on request arrival).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu-run}
