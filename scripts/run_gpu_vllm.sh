@@ -10,6 +10,13 @@
 #            allocator and IPC tests)
 #   tokens   benchmarks/bench_vllm_gpu.py tokens -> $OUT/vllm-gpu-tokens.json
 #   perf     benchmarks/bench_vllm_gpu.py perf   -> $OUT/vllm-gpu-perf.json
+#   serve    benchmarks/bench_serve.py --device cuda:0 -> $OUT/serve-gpu.json (+ .png): several
+#            `vllm serve` engines behind kvcached-serve, shared budget against a static split;
+#            needs the server wheels the bundle leaves out (scripts/fetch_gpu_serve_wheels.sh
+#            puts them in .gpu-vllm/serve-wheels/); SERVE_ARGS passes more options
+#   lifecycle  benchmarks/bench_vllm_lifecycle.py --device cuda -> $OUT/vllm-gpu-lifecycle.json
+#            (engine start and shutdown against vanilla; LIFECYCLE_ARGS, default
+#            "--reps 3 --pool-reps 3")
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
 # BENCH_ARGS passes more options to bench_vllm_gpu.py (e.g. BENCH_ARGS="--reps 12", or
 # "--variant held:KVCACHED_IDLE_TRIM_S=0 --stacks $OUT/stacks" to compare settings and see where
@@ -67,6 +74,23 @@ for phase in "$@"; do
       python3 benchmarks/bench_vllm_gpu.py "$name" --budget "$(left)" --configs "${parts[@]}" ${BENCH_ARGS:-} \
         --out "$OUT/vllm-gpu-$name.json" 2>&1 | tee "$OUT/bench-$name.log" \
         | grep -v "^(EngineCore\|^(Worker\|^INFO\|^WARNING" || status=1 ;;
+    serve)
+      if ! python3 -c 'import uvicorn, jmespath' 2>/dev/null; then
+        ls .gpu-vllm/serve-wheels/*.whl >/dev/null 2>&1 \
+          || { echo "serve: no wheels in .gpu-vllm/serve-wheels (scripts/fetch_gpu_serve_wheels.sh)"; status=1; continue; }
+        python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpu-vllm/serve-wheels/*.whl \
+          >> "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; status=1; continue; }
+      fi
+      [ "$(left)" -gt 120 ] || { echo "serve: no time left"; status=1; continue; }
+      # shellcheck disable=SC2086  # SERVE_ARGS: more options
+      timeout "$(left)" python3 benchmarks/bench_serve.py --device cuda:0 ${SERVE_ARGS:-} \
+        --out "$OUT/serve-gpu.json" 2>&1 | tee "$OUT/bench-serve.log" || status=1 ;;
+    lifecycle)
+      [ "$(left)" -gt 60 ] || { echo "lifecycle: no time left"; status=1; continue; }
+      # shellcheck disable=SC2086  # LIFECYCLE_ARGS: more options
+      timeout "$(left)" python3 benchmarks/bench_vllm_lifecycle.py --device cuda \
+        ${LIFECYCLE_ARGS:---reps 3 --pool-reps 3} --out "$OUT/vllm-gpu-lifecycle.json" 2>&1 \
+        | tee "$OUT/bench-lifecycle.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" || status=1 ;;
     *) echo "unknown phase $phase"; status=1 ;;
   esac
 done
