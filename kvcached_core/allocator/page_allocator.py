@@ -667,7 +667,9 @@ class PageAllocator:
                     self._retire_wanted = True
                     self._cond.notify_all()
                 return
-            cap = min(len(pages), 0 if self._closed else self._max_reserved - len(self._reserved))
+            # A refill in flight lands in the reserve too: keep no more than leaves it room.
+            cap = min(len(pages), 0 if self._closed else
+                      max(0, self._max_reserved - len(self._reserved) - self._n_prefetch))
             limit_room = self._limit_pages - self._mapped_locked()  # without these pages
             keep = max(0, min(cap, limit_room))
             self._set_locked(pages[:keep], _RESERVED)
@@ -1284,9 +1286,9 @@ class PageAllocator:
         finally:
             with self._cond:
                 self._n_prefetch -= k
-                # The limit may have dropped while mapping: hand back the excess.
-                drop = self._pop_reserve_locked(self._mapped_locked() - self._limit_pages,
-                                                safe_only=True)
+                # The limit may have dropped while mapping, or freed pages filled the
+                # reserve meanwhile: hand back what is beyond either.
+                drop = self._pop_reserve_locked(self._excess_locked(), safe_only=True)
                 if ok and not drop and len(self._reserved) + self._n_prefetch < target:
                     self._refill_wanted = True  # the next batch
                 self._cond.notify_all()  # allocations waiting for this refill
