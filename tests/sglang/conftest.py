@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,38 +75,76 @@ def run_probe(version: str | None, dist_dir: Path, *args: str, timeout: float = 
     return json.loads(out[-1][len("PROBE-JSON "):])
 
 
-_reports: dict[str, dict[str, Any]] = {}
-_paged_reports: dict[str, dict[str, Any]] = {}
+class Prefetched:
+    """Reports of independent probe subprocesses, made ahead of the tests that read them.
+
+    Each probe imports a whole SGLang release (10-15 s of one core). The first request for
+    one report starts the probes of every key of its family (``keys``, the requested one
+    first), as many at a time as this machine has cores (at most four), so the tests of a
+    family wait for one probe's time on two cores, not two. Keys are ``(family, version,
+    ...)``; only releases some selected test is parametrized with are probed. A probe's
+    failure or skip is raised to the test that reads its report, and only to it.
+    """
+
+    def __init__(self, selected_versions: set[str]) -> None:
+        workers = max(1, min(4, len(os.sched_getaffinity(0))))
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sglang-probe")
+        self._futures: dict[tuple, Future] = {}
+        self._selected = selected_versions
+
+    def get(self, key: tuple, keys: Iterable[tuple],
+            make: Callable[[tuple], dict[str, Any]]) -> dict[str, Any]:
+        for k in [key, *(k for k in keys if k[1] in self._selected)]:
+            if k not in self._futures:
+                self._futures[k] = self._pool.submit(make, k)
+        return self._futures[key].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
-def release_report(dist_record: Path):
+def prefetched(request: pytest.FixtureRequest):
+    pool = Prefetched({item.callspec.params["version"] for item in request.session.items
+                       if "version" in getattr(getattr(item, "callspec", None), "params", {})})
+    yield pool
+    pool.close()
+
+
+def installed_releases(versions: Iterable[str]) -> list[str]:
+    return [v for v in versions if release_installed(v)]
+
+
+@pytest.fixture(scope="session")
+def release_report(dist_record: Path, prefetched: Prefetched):
     """``release_report(version)``: the probe's report for a release (one subprocess each)."""
+
+    def make(key: tuple[str, str]) -> dict[str, Any]:
+        return run_probe(key[1], dist_record, "release", key[1], KVCACHED_PAGE_SIZE_MB="1",
+                         KVCACHED_PREALLOC="0", KVCACHED_IDLE_TRIM_S="0")
 
     def get(version: str) -> dict[str, Any]:
         skip_unless_installed(version)
-        if version not in _reports:
-            _reports[version] = run_probe(version, dist_record, "release", version,
-                                          KVCACHED_PAGE_SIZE_MB="1", KVCACHED_PREALLOC="0",
-                                          KVCACHED_IDLE_TRIM_S="0")
-        return _reports[version]
+        return prefetched.get(("release", version),
+                              [("release", v) for v in installed_releases(RELEASES)], make)
 
     return get
 
 
 @pytest.fixture(scope="session")
-def paged_report(dist_record: Path):
+def paged_report(dist_record: Path, prefetched: Prefetched):
     """``paged_report(version)``: the paged allocator probe (kernels run by Triton's interpreter)."""
+
+    def make(key: tuple[str, str]) -> dict[str, Any]:
+        return run_probe(key[1], dist_record, "paged", key[1], KVCACHED_PAGE_SIZE_MB="1",
+                         KVCACHED_PREALLOC="0", KVCACHED_IDLE_TRIM_S="0",
+                         # SGLang's paged-allocator kernels are Triton; this CPU has no Triton
+                         # backend, Triton's interpreter runs the same kernels on CPU tensors.
+                         TRITON_INTERPRET="1")
 
     def get(version: str) -> dict[str, Any]:
         skip_unless_installed(version)
-        if version not in _paged_reports:
-            _paged_reports[version] = run_probe(
-                version, dist_record, "paged", version, KVCACHED_PAGE_SIZE_MB="1",
-                KVCACHED_PREALLOC="0", KVCACHED_IDLE_TRIM_S="0",
-                # SGLang's paged-allocator kernels are Triton; this CPU has no Triton
-                # backend, Triton's interpreter runs the same kernels on CPU tensors.
-                TRITON_INTERPRET="1")
-        return _paged_reports[version]
+        return prefetched.get(("paged", version),
+                              [("paged", v) for v in installed_releases(RELEASES)], make)
 
     return get

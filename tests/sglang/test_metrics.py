@@ -23,7 +23,7 @@ import pytest
 from packaging.version import Version
 
 from kvcached_testing.sglang_release import ADAPTER_DIST, SGLANG_DIR, release_env
-from tests.sglang.conftest import RELEASES, skip_unless_installed
+from tests.sglang.conftest import RELEASES, installed_releases, skip_unless_installed
 
 PROBE = Path(__file__).resolve().parent / "_metrics_probe.py"
 HTTP_DEPS = SGLANG_DIR / "_http"
@@ -38,37 +38,39 @@ EXPECTED_PATCH = {v: ("kvcached-metrics" if Version(v) < Version("0.5.3") else
 CASES = [(v, "pth" if Version(v) < FIRST_PLUGIN_RELEASE else "plugins-first") for v in RELEASES]
 CASES += [(v, "server-first") for v in ("0.5.11", "0.5.23") if v in RELEASES]
 
-_reports: dict[tuple[str, str], dict[str, Any]] = {}
+def _probe(key: tuple[str, str], dist_record: Path, tmp_path_factory) -> dict[str, Any]:
+    version, order = key
+    tmp = tmp_path_factory.mktemp(f"metrics-{version}-{order}")
+    site_dir = tmp / "site"
+    site_dir.mkdir()
+    (site_dir / "kvcached_sglang_autoload.pth").write_text(
+        (ADAPTER_DIST / "kvcached_sglang_autoload.pth").read_text())
+    shm = tmp / "shm"
+    shm.mkdir(mode=0o700)
+    env = release_env(version, dist_record, KVCACHED_SHM_DIR=str(shm),
+                      KVCACHED_IPC_NAME="metrics-sgl", KVCACHED_PAGE_SIZE_MB="1",
+                      KVCACHED_PREALLOC="0", KVCACHED_IDLE_TRIM_S="0")
+    env["PYTHONPATH"] += os.pathsep + str(HTTP_DEPS)
+    proc = subprocess.run([sys.executable, str(PROBE), order, str(site_dir)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp))
+    out = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-JSON ")]
+    if proc.returncode != 0 or not out:
+        pytest.fail(f"metrics probe for SGLang {version} ({order}) failed "
+                    f"(rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    rep = json.loads(out[-1][len("PROBE-JSON "):])
+    assert "error" not in rep, rep.get("traceback", rep)
+    return rep
 
 
-def _report(version: str, order: str, dist_record: Path, tmp_path_factory) -> dict[str, Any]:
+def _report(version: str, order: str, dist_record: Path, tmp_path_factory,
+            prefetched) -> dict[str, Any]:
     skip_unless_installed(version)
     if not (HTTP_DEPS / ".done").is_file():
         pytest.skip(f"SGLang's HTTP-server packages are not in {HTTP_DEPS}; "
                     "run scripts/setup_sglang.sh")
-    key = (version, order)
-    if key not in _reports:
-        tmp = tmp_path_factory.mktemp(f"metrics-{version}-{order}")
-        site_dir = tmp / "site"
-        site_dir.mkdir()
-        (site_dir / "kvcached_sglang_autoload.pth").write_text(
-            (ADAPTER_DIST / "kvcached_sglang_autoload.pth").read_text())
-        shm = tmp / "shm"
-        shm.mkdir(mode=0o700)
-        env = release_env(version, dist_record, KVCACHED_SHM_DIR=str(shm),
-                          KVCACHED_IPC_NAME="metrics-sgl", KVCACHED_PAGE_SIZE_MB="1",
-                          KVCACHED_PREALLOC="0", KVCACHED_IDLE_TRIM_S="0")
-        env["PYTHONPATH"] += os.pathsep + str(HTTP_DEPS)
-        proc = subprocess.run([sys.executable, str(PROBE), order, str(site_dir)], env=env,
-                              capture_output=True, text=True, timeout=600, cwd=str(tmp))
-        out = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-JSON ")]
-        if proc.returncode != 0 or not out:
-            pytest.fail(f"metrics probe for SGLang {version} ({order}) failed "
-                        f"(rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        rep = json.loads(out[-1][len("PROBE-JSON "):])
-        assert "error" not in rep, rep.get("traceback", rep)
-        _reports[key] = rep
-    return _reports[key]
+    cases = [("metrics", v, o) for v, o in CASES if v in installed_releases(RELEASES)]
+    return prefetched.get(("metrics", version, order), cases,
+                          lambda key: _probe(key[1:], dist_record, tmp_path_factory))
 
 
 def _values(samples: list, metric: str, **labels: str) -> list[float]:
@@ -84,8 +86,8 @@ def _one(samples: list, metric: str, **labels: str) -> float:
 
 @pytest.mark.parametrize("version,order", CASES)
 def test_sglang_metrics_endpoint_shows_kvcached_pools(version, order, dist_record,
-                                                      tmp_path_factory):
-    rep = _report(version, order, dist_record, tmp_path_factory)
+                                                      tmp_path_factory, prefetched):
+    rep = _report(version, order, dist_record, tmp_path_factory, prefetched)
     assert rep["sglang_version"] == version
     boot = rep["bootstrap"]
     assert boot["status"] == "applied" and boot["failed"] == [], boot
@@ -124,8 +126,9 @@ def test_sglang_metrics_endpoint_shows_kvcached_pools(version, order, dist_recor
 
 
 @pytest.mark.parametrize("version,order", CASES)
-def test_sglang_own_metrics_unchanged(version, order, dist_record, tmp_path_factory):
-    rep = _report(version, order, dist_record, tmp_path_factory)
+def test_sglang_own_metrics_unchanged(version, order, dist_record, tmp_path_factory,
+                                      prefetched):
+    rep = _report(version, order, dist_record, tmp_path_factory, prefetched)
     got, vanilla = rep["samples"], rep["vanilla_samples"]
     # SGLang's own histogram, recorded by SGLang's timer through its multi-process files.
     assert _one(got, "sglang:func_latency_seconds_count", name="kvcached_probe") == 1
@@ -141,8 +144,8 @@ def test_sglang_own_metrics_unchanged(version, order, dist_record, tmp_path_fact
 
 
 @pytest.mark.parametrize("version,order", CASES)
-def test_metrics_patch_reverts(version, order, dist_record, tmp_path_factory):
-    rep = _report(version, order, dist_record, tmp_path_factory)
+def test_metrics_patch_reverts(version, order, dist_record, tmp_path_factory, prefetched):
+    rep = _report(version, order, dist_record, tmp_path_factory, prefetched)
     assert rep["revert"]["conflicts"] == []
     assert rep["definition_restored"] is True
     if Version(version) >= FIRST_PLUGIN_RELEASE:

@@ -29,6 +29,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+#: Runs another release's own modules, whichever vLLM is installed: once, in the newest
+#: environment.
+pytestmark = pytest.mark.newest_vllm
+
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ROOT / ".vllm-src"
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+#: Reads every release's source, whichever vLLM is installed: once, in the newest environment.
+pytestmark = pytest.mark.newest_vllm
 SOURCES = ROOT / ".vllm-src"
 sys.path.insert(0, str(ROOT / "kvcached_vllm" / "src"))  # the adapter imports without vLLM
 

@@ -14,6 +14,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+#: Stand-ins of other releases' code: once, in the newest environment.
+pytestmark = pytest.mark.newest_vllm
+
 import torch  # noqa: E402
 from conftest import env  # noqa: E402
 

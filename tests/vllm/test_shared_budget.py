@@ -17,7 +17,9 @@ pytest.importorskip("vllm")
 
 from kvcached_testing.shared_budget import BUNDLE, run_share  # noqa: E402
 
-pytestmark = pytest.mark.engine
+#: The budget and giveback are the core's (tests/ipc, tests/allocator); the adapter's
+#: patches that carry them run in every release through test_engine.py and test_faults.py.
+pytestmark = [pytest.mark.engine, pytest.mark.newest_vllm]
 
 
 @pytest.fixture(scope="module")
