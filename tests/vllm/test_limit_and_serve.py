@@ -64,6 +64,9 @@ def _completions(server: Server) -> tuple[dict, dict]:
     return done, chat_free
 
 
+#: vLLM's own server around the engine test_engine.py runs in every release: once in CI, in
+#: the newest environment (scripts/vllm_release_matrix.sh serves every release).
+@pytest.mark.newest_vllm
 def test_vllm_serve_answers_openai_requests(tiny_model, tmp_path: Path):
     """A server that fails (dies, is never healthy, does not answer) is judged by a
     vanilla control: the test skips, naming vanilla's failure, only where vanilla
