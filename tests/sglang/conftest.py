@@ -80,8 +80,8 @@ class Prefetched:
 
     Each probe imports a whole SGLang release (10-15 s of one core). The first request for
     one report starts the probes of every key of its family (``keys``, the requested one
-    first), as many at a time as this machine has cores (at most four), so the tests of a
-    family wait for one probe's time on two cores, not two. Keys are ``(family, version,
+    first), as many at a time as this machine has cores (at most four): on two cores a
+    family takes about 0.6 of its time one by one. Keys are ``(family, version,
     ...)``; only releases some selected test is parametrized with are probed. A probe's
     failure or skip is raised to the test that reads its report, and only to it.
     """
