@@ -35,7 +35,8 @@ engine process stops and a wake restarts it (about 30 s on two cores), and the t
 weights (0.9 MiB) free nothing worth a restart.
 
 On a GPU (``--device cuda:N``) the engines serve a 1B-shaped random-weight Llama (16 layers,
-8 KV heads of 64, 32 KiB of KV per token, bf16, the tiny model's tokenizer), eager, with
+8 KV heads of 64, 32 KiB of KV per token as Llama-3.2-1B, its MLP half as wide: 0.57 B
+parameters; bf16, the tiny model's tokenizer), eager, with
 ``gpu_memory_utilization`` 0.1 each so several start on one device; ``--budget`` is still the
 KV memory both modes share (a small one, so that KV memory and not the device's compute bounds
 the batches), and the trace is faster. ``VLLM_BATCH_INVARIANT=1`` in both modes by default
