@@ -1,7 +1,7 @@
 """Engine start and shutdown with and without kvcached: the cost of the block objects.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_lifecycle.py          # CPU, ~6 min
-    python3 benchmarks/bench_vllm_lifecycle.py --device cuda --reps 3  # GPU (scripts/run_gpu_vllm.sh)
+    python3 benchmarks/bench_vllm_lifecycle.py --device cuda --reps 2 --pool-reps 0  # GPU
 
 vLLM's scheduler makes one ``KVCacheBlock`` per block of its KV cache when the engine
 starts. kvcached reserves more blocks than it maps (a whole device's worth of address

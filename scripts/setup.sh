@@ -48,7 +48,7 @@ lane_sources() {
 lane_sglang() { PYTHON=.venv/bin/python bash scripts/setup_sglang.sh; }
 declare -A PIDS=()
 for lane in vllm sources sglang; do
-  ( set -euo pipefail; "lane_$lane" ) > "$LOGS/$lane.log" 2>&1 &
+  "lane_$lane" > "$LOGS/$lane.log" 2>&1 &  # a subshell of its own; set -e holds in it
   PIDS[$lane]=$!
 done
 failed=()

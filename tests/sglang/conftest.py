@@ -81,9 +81,9 @@ class Prefetched:
     Each probe imports a whole SGLang release (10-15 s of one core). The first request for
     one report starts the probes of every key of its family (``keys``, the requested one
     first), as many at a time as this machine has cores (at most four): on two cores a
-    family takes about 0.6 of its time one by one. Keys are ``(family, version,
-    ...)``; only releases some selected test is parametrized with are probed. A probe's
-    failure or skip is raised to the test that reads its report, and only to it.
+    family takes about 0.6 of its time one by one. Keys are ``(family, version, ...)``;
+    only installed releases that some selected test is parametrized with are probed. A
+    probe's failure or skip is raised to the test that reads its report, and only to it.
     """
 
     def __init__(self, selected_versions: set[str]) -> None:
@@ -94,7 +94,8 @@ class Prefetched:
 
     def get(self, key: tuple, keys: Iterable[tuple],
             make: Callable[[tuple], dict[str, Any]]) -> dict[str, Any]:
-        for k in [key, *(k for k in keys if k[1] in self._selected)]:
+        ahead = (k for k in keys if k[1] in self._selected and release_installed(k[1]))
+        for k in [key, *ahead]:
             if k not in self._futures:
                 self._futures[k] = self._pool.submit(make, k)
         return self._futures[key].result()
@@ -111,10 +112,6 @@ def prefetched(request: pytest.FixtureRequest):
     pool.close()
 
 
-def installed_releases(versions: Iterable[str]) -> list[str]:
-    return [v for v in versions if release_installed(v)]
-
-
 @pytest.fixture(scope="session")
 def release_report(dist_record: Path, prefetched: Prefetched):
     """``release_report(version)``: the probe's report for a release (one subprocess each)."""
@@ -126,7 +123,7 @@ def release_report(dist_record: Path, prefetched: Prefetched):
     def get(version: str) -> dict[str, Any]:
         skip_unless_installed(version)
         return prefetched.get(("release", version),
-                              [("release", v) for v in installed_releases(RELEASES)], make)
+                              [("release", v) for v in RELEASES], make)
 
     return get
 
@@ -145,6 +142,6 @@ def paged_report(dist_record: Path, prefetched: Prefetched):
     def get(version: str) -> dict[str, Any]:
         skip_unless_installed(version)
         return prefetched.get(("paged", version),
-                              [("paged", v) for v in installed_releases(RELEASES)], make)
+                              [("paged", v) for v in RELEASES], make)
 
     return get

@@ -23,7 +23,7 @@ import pytest
 from packaging.version import Version
 
 from kvcached_testing.sglang_release import ADAPTER_DIST, SGLANG_DIR, release_env
-from tests.sglang.conftest import RELEASES, installed_releases, skip_unless_installed
+from tests.sglang.conftest import RELEASES, skip_unless_installed
 
 PROBE = Path(__file__).resolve().parent / "_metrics_probe.py"
 HTTP_DEPS = SGLANG_DIR / "_http"
@@ -68,8 +68,7 @@ def _report(version: str, order: str, dist_record: Path, tmp_path_factory,
     if not (HTTP_DEPS / ".done").is_file():
         pytest.skip(f"SGLang's HTTP-server packages are not in {HTTP_DEPS}; "
                     "run scripts/setup_sglang.sh")
-    cases = [("metrics", v, o) for v, o in CASES if v in installed_releases(RELEASES)]
-    return prefetched.get(("metrics", version, order), cases,
+    return prefetched.get(("metrics", version, order), [("metrics", *c) for c in CASES],
                           lambda key: _probe(key[1:], dist_record, tmp_path_factory))
 
 
