@@ -108,6 +108,18 @@ def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
         return e.code, dict(e.headers), e.read()
 
 
+def engine_run_dirs(pid: int) -> set[str]:
+    """The private socket directory the controller gave engine ``pid`` (vLLM's
+    ``VLLM_RPC_BASE_PATH``, SGLang's ``TMPDIR``), read from its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:  # gone meanwhile
+        return set()
+    return {env[k].decode() for k in (b"VLLM_RPC_BASE_PATH", b"TMPDIR")
+            if k in env and b"kvcached-serve-" in env[k]}
+
+
 @dataclass
 class Served:
     """A running controller: its URL, config and private kvcached directories."""
@@ -120,6 +132,7 @@ class Served:
     ipc_dir: Path
     log: Path
     engine_pids: set[int] = field(default_factory=set)
+    run_dirs: set[str] = field(default_factory=set)  # engines' private socket directories
 
     def get(self, path: str, **kw: Any) -> tuple[int, dict[str, str], bytes]:
         return http("GET", self.url + path, **kw)
@@ -149,7 +162,10 @@ class Served:
         """/health's view of each engine (state, pid, namespace, ...); remembers the pids."""
         _, _, body = self.get("/health")
         engines = json.loads(body)["engines"]
-        self.engine_pids.update(e["pid"] for e in engines.values() if e["pid"])
+        for e in engines.values():
+            if e["pid"]:
+                self.engine_pids.add(e["pid"])
+                self.run_dirs.update(engine_run_dirs(e["pid"]))
         return engines
 
     def engine_pid(self, name: str) -> int:

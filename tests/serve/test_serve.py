@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve.conftest import (SGLANG_ARGS, VLLM_ARGS, Launcher, Served, http,
-                                  sglang_engine)
+from tests.serve.conftest import (SGLANG_ARGS, VLLM_ARGS, Launcher, Served, engine_run_dirs,
+                                  http, sglang_engine)
 
 pytest.importorskip("vllm")
 
@@ -147,6 +147,9 @@ def test_routes_by_model(served: Served):
     reply = json.loads(chat[2])
     assert reply["model"] == "tiny-a" and reply["choices"][0]["message"]["role"] == "assistant"
     assert served.state("tiny-c") == "asleep" and served.state("tiny-d") == "asleep"
+    # The engine's ZMQ sockets are in a directory of its own, which its stop removes.
+    runs = engine_run_dirs(served.engine_pid("tiny-a"))
+    assert runs and any(p.is_socket() for d in runs for p in Path(d).iterdir()), runs
 
 
 def test_streaming_passes_chunks_through(served: Served):
@@ -482,9 +485,12 @@ def test_stop_leaves_nothing(served: Served):
     for pgid in pids:  # nothing of any engine's process group either
         with pytest.raises(ProcessLookupError):
             os.killpg(pgid, 0)
-    # No pool segment, budget record or socket directory of kvcached is left.
+    # No pool segment, budget record or socket directory of kvcached is left, nor the
+    # engines' own sockets (each engine's private directory for them).
     assert os.listdir(served.shm_dir) == []
     assert os.listdir(served.ipc_dir) == []
+    assert len(served.run_dirs) >= 4, served.run_dirs
+    assert not [d for d in served.run_dirs if os.path.exists(d)]
     # No shared memory the engines made is left behind unowned: vLLM's message queues
     # (psm_*, hundreds of MiB; a killed engine left them) and kvcached's records. (Small
     # semaphores and other engines' files other test runs on this machine make meanwhile

@@ -2,8 +2,10 @@
 
 An :class:`EngineProcess` is one engine server (``vllm serve`` or SGLang's HTTP server) in
 a process group of its own, with kvcached on in its own namespace and the device budget
-in its environment. Stopping it ends the whole group (the engine core, SGLang's
-scheduler and whatever else the server started) and removes what kvcached left of it
+in its environment, and a private temporary directory for the sockets the engine makes
+(vLLM's ``VLLM_RPC_BASE_PATH``, SGLang's ``TMPDIR``: its ZMQ endpoints are temporary files it
+never removes). Stopping it ends the whole group (the engine core, SGLang's scheduler and
+whatever else the server started) and removes that directory and what kvcached left of it
 (pool segments, the namespace's socket directory, its budget slots).
 
 Sleep has two implementations behind :class:`SleepMode`:
@@ -28,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -124,6 +127,7 @@ class EngineProcess:
         self.engine_sleep = sleep_mode_for(cfg, model) == "engine"
         self._log = None
         self.shm_files: set[str] = set()  # /dev/shm files the engine's processes made
+        self.run_dir: Path | None = None  # the engine's sockets and temporary files, per spawn
 
     # ------------------------------------------------------------ launch
 
@@ -167,6 +171,10 @@ class EngineProcess:
             env["CUDA_VISIBLE_DEVICES"] = m.device.split(":")[1]
         if self.engine_sleep and m.engine == "vllm":
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep, /wake_up, /is_sleeping
+        if self.run_dir is not None:
+            # vLLM's ZMQ sockets (/tmp/<uuid>) and SGLang's (/tmp/tmpXXXX files) stay behind
+            # whenever a process dies without its shutdown; SGLang's even after a clean one.
+            env["VLLM_RPC_BASE_PATH" if m.engine == "vllm" else "TMPDIR"] = str(self.run_dir)
         env.update(cpu_binding(self.cfg, m))
         env.update(m.env)
         return env
@@ -187,6 +195,8 @@ class EngineProcess:
         if self.model.port is None:  # a fresh free port: the last one may be taken by now
             self.port = _free_port(highest=self._highest_port)
             self.base_url = f"http://127.0.0.1:{self.port}"
+        self._remove_run_dir()
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"kvcached-serve-{self.model.name}-"))
         self._log = open(self.log_path, "ab")
         shown = self.command()
         if self.model.engine == "vllm":
@@ -201,6 +211,7 @@ class EngineProcess:
                                          preexec_fn=_die_with_parent)
         except OSError as exc:
             self._log.close()
+            self._remove_run_dir()
             raise EngineError(f"{self.model.name}: cannot start {self.command()[0]}: {exc}") from exc
         self.started_at = time.monotonic()
         log.info("%s: started %s engine, pid %d, port %d, namespace %s, log %s",
@@ -280,6 +291,7 @@ class EngineProcess:
                 time.sleep(0.05)
             code = proc.returncode
             self._remove_shm_files()
+            self._remove_run_dir()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -307,6 +319,12 @@ class EngineProcess:
             except OSError as exc:
                 log.warning("%s: cannot remove %s: %s", self.model.name, path, exc)
         self.shm_files.clear()
+
+    def _remove_run_dir(self) -> None:
+        """Remove the engine's private temporary directory (its processes are gone)."""
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir = None
 
     def cleanup_records(self) -> None:
         """Remove kvcached's records of this namespace whose processes are gone: pool
