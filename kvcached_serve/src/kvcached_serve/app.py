@@ -167,11 +167,8 @@ def create_app(controller: Controller) -> Starlette:
 
         m = controller.models[name]
         metrics.inflight.labels(name).set(m.inflight)
-        client = controller.client
-        upstream_req = client.build_request("POST", m.engine.base_url + path, content=raw,
-                                            headers={"content-type": "application/json"})
         try:
-            upstream = await client.send(upstream_req, stream=True)
+            upstream = await m.engine.send(controller.client, path, raw)
         except httpx.HTTPError as exc:
             done(502)
             return openai_error(502, f"The engine of model '{name}' did not answer: "

@@ -109,9 +109,13 @@ class Controller:
     async def start(self) -> None:
         """Set the device budgets, start the eager engines (without waiting for them) and
         the idle and exit watchers."""
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+        # Engines' servers close a keep-alive connection after 5 s idle (uvicorn's default in
+        # vLLM and SGLang): drop ours sooner, so a request never goes out on one being closed.
+        # A busy engine on a loaded host may take long to accept: the connect may too.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60.0),
                                         limits=httpx.Limits(max_connections=1024,
-                                                            max_keepalive_connections=256))
+                                                            max_keepalive_connections=256,
+                                                            keepalive_expiry=2.0))
         self._prepare_dirs()
         self._set_budgets()
         for m in self.models.values():

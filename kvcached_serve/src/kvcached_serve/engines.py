@@ -247,6 +247,25 @@ class EngineProcess:
                                   f"{self.log_tail()}")
             await asyncio.sleep(0.25)
 
+    async def send(self, client: httpx.AsyncClient, path: str, body: bytes) -> httpx.Response:
+        """POST ``body`` (JSON) to the engine's ``path``; the response is streamed.
+
+        One retry when the connection broke before any answer while the engine still runs:
+        a pooled keep-alive connection that the engine's server closed (idle) just as it was
+        reused, which never read the request. An engine that exited is not asked again.
+        """
+        for attempt in (0, 1):
+            request = client.build_request("POST", self.base_url + path, content=body,
+                                           headers={"content-type": "application/json"})
+            try:
+                return await client.send(request, stream=True)
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                if attempt or not self.running:
+                    raise
+                log.info("%s: the engine closed a connection before answering; sending again",
+                         self.model.name)
+        raise AssertionError("unreachable")
+
     def log_tail(self, n: int = 3000) -> str:
         try:
             return self.log_path.read_bytes()[-n:].decode(errors="replace")
