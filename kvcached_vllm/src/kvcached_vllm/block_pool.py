@@ -335,19 +335,22 @@ class ElasticBlockPool(BlockPool):
         queue = self.free_block_queue
         if n <= 0 or not queue.num_free_blocks:
             return 0
-        kv = self.kv_block_manager
-        occupancy, per_page = kv.page_occupancy, queue.per_page
-        pages = list(queue.touched)  # least recently used first
-        whole = [p for p in pages if per_page[p] == occupancy(p)]
+        occupancy, per_page = self.kv_block_manager.page_occupancy, queue.per_page
         victims: list[Any] = []
-        for page in whole:
-            if len(victims) >= n:
-                break
-            victims += self._queued_in_page(page)
-        for page in pages:  # then blocks of partly evictable pages, only as many as needed
-            if len(victims) >= n:
-                break
-            if per_page[page] != occupancy(page):
+        partly: list[int] = []
+        # Least recently used first, and only as far as needed: with the address space full
+        # of cached blocks every allocation evicts, and the first page usually suffices.
+        for page in queue.touched:  # unchanged until the release below
+            if per_page[page] == occupancy(page):
+                victims += self._queued_in_page(page)
+                if len(victims) >= n:
+                    break
+            else:
+                partly.append(page)
+        else:  # then blocks of partly evictable pages, only as many as needed
+            for page in partly:
+                if len(victims) >= n:
+                    break
                 victims += self._queued_in_page(page)[: n - len(victims)]
         self._release_evictable(victims)
         return len(victims)
