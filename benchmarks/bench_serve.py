@@ -39,9 +39,12 @@ On a GPU (``--device cuda:N``) the engines serve a 1B-shaped random-weight Llama
 parameters; bf16, the tiny model's tokenizer), eager, with
 ``gpu_memory_utilization`` 0.1 each so several start on one device; ``--budget`` is still the
 KV memory both modes share (a small one, so that KV memory and not the device's compute bounds
-the batches), and the trace is faster. ``VLLM_BATCH_INVARIANT=1`` in both modes by default
-(``--no-batch-invariant`` turns it off): a GPU engine's greedy tokens otherwise depend on how
-requests were batched, and the two modes batch differently by design.
+the batches), and the trace is faster. ``VLLM_BATCH_INVARIANT=1`` and ``--no-enable-chunked-prefill`` in both
+modes by default (``--no-batch-invariant`` turns them off): a GPU engine's greedy tokens
+otherwise depend on how requests were batched and where a prompt's prefill was split, and
+the two modes batch differently by design. A request vLLM preempts (its pages taken when the
+KV cache is full, its tokens recomputed later) may still part from the other mode's: each
+engine's preemptions are reported (``vllm:num_preemptions_total``).
 
 Results: benchmarks/results/serve-{cpu,gpu}.json and .png, with the command and commit.
 """
@@ -148,15 +151,23 @@ def device_kind(device: str) -> str:
 
 def controller_config(mode: str, model: Path, names: list[str], budget: int, work: Path,
                       max_num_seqs: int, idle_sleep: float | None, device: str = "cpu",
-                      extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+                      batch_invariant: bool = False) -> dict[str, Any]:
     setup = DEVICE_SETUP[device_kind(device)]
     # No prefix caching in either mode: the trace's prompts share no prefixes.
     args = {**setup["args"], "enforce_eager": True, "seed": 0, "max_num_seqs": max_num_seqs,
             "no_enable_prefix_caching": True}
-    env = {**setup["env"], **(extra_env or {})}
+    env = dict(setup["env"])
+    if batch_invariant:
+        # Kernels whose results do not depend on the batch, and every prompt prefilled in one
+        # step: a prefill split where the step's token budget ran out computes the same
+        # positions in other pieces, so its tokens would depend on what ran beside it.
+        env["VLLM_BATCH_INVARIANT"] = "1"
+        args["no_enable_chunked_prefill"] = True
     models = []
     for name in names:
-        m: dict[str, Any] = {"name": name, "engine": "vllm", "model": str(model)}
+        # A port of the benchmark's choosing: it reads each engine's own /metrics.
+        m: dict[str, Any] = {"name": name, "engine": "vllm", "model": str(model),
+                             "port": free_port()}
         if mode == "shared":
             m["args"] = {**args, "kv_cache_memory_bytes": budget}
             m["env"] = env
@@ -276,9 +287,8 @@ def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any
              args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import httpx
 
-    extra_env = {"VLLM_BATCH_INVARIANT": "1"} if args.batch_invariant else None
     cfg = controller_config(mode, model, names, args.budget, work, args.max_num_seqs,
-                            args.idle_sleep, args.device, extra_env)
+                            args.idle_sleep, args.device, args.batch_invariant)
     proc, url, log = start_controller(cfg, work)
     try:
         start_s = wait_healthy(url, proc, log)
@@ -291,14 +301,29 @@ def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any
         static = args.budget // len(names) if mode == "static" else None
         results, samples, wall = asyncio.run(replay(url, trace, names, static))
         metrics = httpx.get(url + "/metrics", timeout=30).text
+        preemptions = {m["name"]: engine_preemptions(m["port"]) for m in cfg["models"]}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     return {"results": results, "samples": samples, "wall_s": wall, "startup_s": start_s,
+            "preemptions": preemptions,
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "metrics_sleeps": sum(1 for line in metrics.splitlines()
                                   if line.startswith("kvcached_serve_sleeps_total")
                                   and not line.rstrip().endswith(" 0.0"))}
+
+
+def engine_preemptions(port: int) -> int | None:
+    """Requests vLLM preempted (its pages taken, recomputed later) in the engine at ``port``,
+    from its ``vllm:num_preemptions_total``; None when it does not answer (asleep)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_preemptions_total")))
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -332,6 +357,7 @@ def summarize(run: dict[str, Any], slo: float, names: list[str]) -> dict[str, An
     out["tokens_per_s"] = round(out["output_tokens"] / run["wall_s"], 1)
     out["replay_wall_s"] = round(run["wall_s"], 1)
     out["engines_startup_s"] = round(run["startup_s"], 1)
+    out["preemptions"] = run["preemptions"]
     out["host_load_average_after_1_5_15min"] = run["load_average_after"]
     out["per_model"] = {n: block([r for r in res if r["model"] == n]) for n in names}
     kv = {n: [s[n] for s in run["samples"] if isinstance(s.get(n), int)] for n in names}
@@ -435,9 +461,16 @@ def main() -> None:
         b = {r["id"]: r for r in runs["static"]["results"] if r["ok"]}
         both = set(a) & set(b)
         same = sum(1 for k in both if a[k]["text"] == b[k]["text"])
+        # Where two completions part: near the start (the prompt's prefill already differed)
+        # or late (a decode step's batch, or a preempted request's recomputation).
+        parts = sorted(next((i for i, (x, y) in enumerate(zip(a[k]["text"], b[k]["text"]))
+                             if x != y), min(len(a[k]["text"]), len(b[k]["text"])))
+                       for k in both if a[k]["text"] != b[k]["text"])
         sh, st = summary["shared"], summary["static"]
         summary["comparison"] = {
             "completions_in_both": len(both), "identical_text": same,
+            "differing_first_char_quartiles": (statistics.quantiles(parts, n=4)
+                                               if len(parts) > 1 else parts),
             "ttft_p99_shared_over_static": (round(sh["ttft_p99_s"] / st["ttft_p99_s"], 3)
                                             if sh["ttft_p99_s"] and st["ttft_p99_s"] else None),
             "slo_attainment_shared_over_static": (
@@ -475,7 +508,8 @@ def main() -> None:
             "static": "KVCACHED_ENABLED=0; each engine's kv_cache_memory_bytes = total / models",
             "engine_env": ("VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 (both modes: "
                            "one unbound compute thread per engine)" if kind == "cpu" else
-                           "VLLM_BATCH_INVARIANT=1" if args.batch_invariant else "default"),
+                           "VLLM_BATCH_INVARIANT=1, --no-enable-chunked-prefill"
+                           if args.batch_invariant else "default"),
             "max_num_seqs": args.max_num_seqs,
             "slo_ttft_s": args.slo_ttft,
         },
