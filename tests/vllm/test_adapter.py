@@ -230,6 +230,40 @@ def test_exhaustion_under_limit_is_a_scheduling_miss():
     assert len(pool.get_new_blocks(63)) == 63
 
 
+def test_the_catching_wrapper_takes_the_very_parameters_of_what_it_wraps():
+    """``allocate_slots`` runs for every running request at every step: its wrapper passes
+    each argument by name instead of repacking ``*args, **kwargs``."""
+    import inspect
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvcached_vllm.patches import catching_wrapper, wrap_allocate_slots
+
+    marker = object()
+
+    def original(self, request, n, extra=marker, *more, flag=False, **rest):
+        if request == "boom":
+            raise LookupError(n)
+        if request == "other":
+            raise ValueError(n)
+        return (self, request, n, extra, more, flag, rest)
+
+    wrapped = catching_wrapper(original, LookupError, lambda exc, a, b: ("caught", a, b, exc.args))
+    assert inspect.signature(wrapped) == inspect.signature(original)
+    assert wrapped.__name__ == "original" and wrapped.__wrapped__ is original
+    assert wrapped(1, "r", 2) == (1, "r", 2, marker, (), False, {})  # the default itself
+    assert wrapped(1, "r", 2, 3, 4, 5, flag=True, x=6) == (1, "r", 2, 3, (4, 5), True, {"x": 6})
+    assert wrapped(self=1, request="r", n=2, extra=None) == (1, "r", 2, None, (), False, {})
+    assert wrapped(1, "boom", 7) == ("caught", 1, "boom", (7,))
+    with pytest.raises(ValueError):  # what it does not catch passes through
+        wrapped(1, "other", 7)
+    with pytest.raises(TypeError):  # a missing argument fails the call, as the original's
+        wrapped(1, "r")
+    # This vLLM's own allocate_slots, wrapped as the patch wraps it.
+    real = inspect.unwrap(KVCacheManager.allocate_slots)
+    assert inspect.signature(wrap_allocate_slots(real)) == inspect.signature(real)
+
+
 def test_block_larger_than_a_page_names_the_variable():
     from kvcached_vllm.geometry import KVGeometry
 

