@@ -41,9 +41,8 @@ parameters; bf16, the tiny model's tokenizer), eager, with
 KV memory both modes share (a small one, so that KV memory and not the device's compute bounds
 the batches), and the trace is faster. ``VLLM_BATCH_INVARIANT=1`` and
 ``--no-enable-chunked-prefill`` in both modes by default (``--no-batch-invariant`` turns them
-off): a GPU engine's greedy tokens
-otherwise depend on how requests were batched and where a prompt's prefill was split, and
-the two modes batch differently by design. A request vLLM preempts (its pages taken when the
+off): a GPU engine's greedy tokens otherwise depend on how requests were batched and where a
+prompt's prefill was split, and the two modes batch differently by design. A request vLLM preempts (its pages taken when the
 KV cache is full, its tokens recomputed later) may still part from the other mode's: each
 engine's preemptions are reported (``vllm:num_preemptions_total``).
 
