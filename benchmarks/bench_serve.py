@@ -26,8 +26,9 @@ Reported per mode: TTFT p50/p99 (the client's clock, from the request's schedule
 to its first streamed token, queueing included), SLO attainment (the share of all requests
 whose first token came within ``--slo-ttft`` s, and within each of ``SLO_CURVE_S``; a failed
 request misses), output tokens/s
-over the replay, failed requests, and how many completions were token-for-token the same
-in both modes. KV memory per model is sampled twice a second (the shared mode: each engine's
+over the replay, failed requests, how many completions were token-for-token the same
+in both modes, and how many of ``--alone`` sampled requests each mode completed exactly as
+a vanilla engine serving that request alone (after the static replay, one at a time). KV memory per model is sampled twice a second (the shared mode: each engine's
 mapped bytes in the budget record; the static mode: its fixed allocation) and drawn to a PNG.
 
 Sleep/wake is off in this run (``--idle-sleep`` turns it on): on the CPU a sleeping model's
@@ -283,6 +284,22 @@ async def replay(url: str, trace: list[dict[str, Any]], names: list[str],
     return list(results), samples, wall
 
 
+async def one_at_a_time(url: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``requests`` sent one after another, each alone on its engine: the reference tokens."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30)) as client:
+        return [await _one(client, url, {**r, "t": 0.0}, time.monotonic()) for r in requests]
+
+
+def alone_sample(trace: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """``n`` requests spread evenly over the trace (every model's share as in the trace)."""
+    if n <= 0 or not trace:
+        return []
+    step = max(1, len(trace) // n)
+    return trace[::step][:n]
+
+
 def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any]],
              args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import httpx
@@ -302,11 +319,14 @@ def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any
         results, samples, wall = asyncio.run(replay(url, trace, names, static))
         metrics = httpx.get(url + "/metrics", timeout=30).text
         preemptions = {m["name"]: engine_preemptions(m["port"]) for m in cfg["models"]}
+        # The static mode's engines are vanilla vLLM: each sampled request once more, alone.
+        alone = (asyncio.run(one_at_a_time(url, alone_sample(trace, args.alone)))
+                 if mode == "static" else None)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     return {"results": results, "samples": samples, "wall_s": wall, "startup_s": start_s,
-            "preemptions": preemptions,
+            "preemptions": preemptions, "alone": alone,
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "metrics_sleeps": sum(1 for line in metrics.splitlines()
                                   if line.startswith("kvcached_serve_sleeps_total")
@@ -423,6 +443,9 @@ def main() -> None:
     p.add_argument("--idle-sleep", type=float, default=None,
                    help="shared mode: models sleep after this many idle seconds (default off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alone", type=int, default=32,
+                   help="requests of the trace served once more one at a time by the static "
+                        "mode's vanilla engines, the reference each mode's tokens are held to")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", help="default benchmarks/results/serve-{cpu,gpu}.json")
     args = p.parse_args()
@@ -456,6 +479,12 @@ def main() -> None:
         for mode in modes:
             runs[mode] = run_mode(mode, model, names, trace, args, work / mode)
     summary = {mode: summarize(run, args.slo_ttft, names) for mode, run in runs.items()}
+    alone = {r["id"]: r["text"] for r in (runs.get("static") or {}).get("alone") or [] if r["ok"]}
+    for mode, run in runs.items():  # tokens against each engine serving the request alone
+        texts = {r["id"]: r["text"] for r in run["results"] if r["ok"]}
+        both = [k for k in alone if k in texts]
+        summary[mode]["identical_to_alone"] = (f"{sum(texts[k] == alone[k] for k in both)} of "
+                                               f"{len(both)}" if alone else None)
     if {"shared", "static"} <= set(runs):
         a = {r["id"]: r for r in runs["shared"]["results"] if r["ok"]}
         b = {r["id"]: r for r in runs["static"]["results"] if r["ok"]}
