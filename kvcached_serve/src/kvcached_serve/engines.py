@@ -254,17 +254,18 @@ class EngineProcess:
         a pooled keep-alive connection that the engine's server closed (idle) just as it was
         reused, which never read the request. An engine that exited is not asked again.
         """
-        for attempt in (0, 1):
-            request = client.build_request("POST", self.base_url + path, content=body,
-                                           headers={"content-type": "application/json"})
-            try:
-                return await client.send(request, stream=True)
-            except (httpx.ReadError, httpx.RemoteProtocolError):
-                if attempt or not self.running:
-                    raise
-                log.info("%s: the engine closed a connection before answering; sending again",
-                         self.model.name)
-        raise AssertionError("unreachable")
+        def request() -> httpx.Request:
+            return client.build_request("POST", self.base_url + path, content=body,
+                                        headers={"content-type": "application/json"})
+
+        try:
+            return await client.send(request(), stream=True)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            if not self.running:
+                raise
+        log.info("%s: the engine closed a connection before answering; sending again",
+                 self.model.name)
+        return await client.send(request(), stream=True)
 
     def log_tail(self, n: int = 3000) -> str:
         try:
