@@ -136,6 +136,14 @@ def build_models(root: Path, phase: str) -> dict[str, str]:
 
 # ------------------------------------------------------------------ engine child
 
+#: vLLM metrics an engine reports (``metrics`` command), by the name they get here.
+ENGINE_METRICS = {"vllm:num_preemptions": "preemptions", "vllm:num_preemptions_total": "preemptions",
+                  "vllm:iteration_tokens_total": "steps",
+                  "vllm:prefix_cache_hits": "prefix_hits",
+                  "vllm:prefix_cache_hits_total": "prefix_hits",
+                  "vllm:prefix_cache_queries": "prefix_queries",
+                  "vllm:prefix_cache_queries_total": "prefix_queries"}
+
 
 def engine_child(args: argparse.Namespace) -> None:
     """One ``LLM`` serving the parent's commands until ``finish``."""
@@ -175,8 +183,12 @@ def engine_child(args: argparse.Namespace) -> None:
             found = {}
             try:
                 for m in llm.get_metrics():
-                    if m.name in ("vllm:num_preemptions", "vllm:num_preemptions_total"):
-                        found["preemptions"] = found.get("preemptions", 0) + int(m.value)
+                    key = ENGINE_METRICS.get(m.name)
+                    if key == "steps":  # a histogram of tokens per engine step
+                        found["steps"] = found.get("steps", 0) + int(m.count)
+                        found["step_tokens"] = found.get("step_tokens", 0) + int(m.sum)
+                    elif key:
+                        found[key] = found.get(key, 0) + int(m.value)
             except Exception as exc:  # metrics are a nice-to-have
                 found["error"] = str(exc)
             conn.send(found)
@@ -271,6 +283,17 @@ class Engine:
         keep = [x for x in lines if "WARNING" in x or "ERROR" in x or "elastic KV cache" in x
                 or "serves KV pages" in x]
         return keep[:10] + [x for x in lines if "patch set" in x][-2:]
+
+    def setup_lines(self) -> list[str]:
+        """What the engine logged of its set-up that could make two engines' steps differ
+        (CUDA graph modes and sizes, attention backend, KV cache size), without the prefix."""
+        keys = ("cudagraph", "cuda graph", "graph capturing", "attention backend",
+                "kv cache size", "maximum concurrency", "async scheduling", "chunked prefill")
+        self.logf.flush()
+        text = Path(self.logf.name).read_text(errors="replace")
+        lines = [line.split("] ", 1)[-1][:300] for line in text.splitlines()
+                 if any(k in line.lower() for k in keys)]
+        return list(dict.fromkeys(lines))[:20]
 
 
 # ------------------------------------------------------------------ GPU memory (NVML)
@@ -617,6 +640,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
         for n, e in engines.items():
             e.generate(warm, args.max_tokens, return_tokens=False)
         order = list(engines)
+        before = {n: e.call("metrics") for n, e in engines.items()}
         reserve = 40 if args.configs == ["throughput"] else 150  # the share phase's time
         for r in range(args.reps):
             if time.monotonic() > deadline - reserve:
@@ -634,7 +658,13 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
                 tokens.setdefault(n, []).extend(res["tokens"])
             log(f"throughput rep {r}:", {n: round(rounds[n][-1]["generated"] /
                                                rounds[n][-1]["seconds"]) for n in order})
-        preemptions = {n: e.call("metrics").get("preemptions") for n, e in engines.items()}
+        after_rounds = {n: e.call("metrics") for n, e in engines.items()}
+        preemptions = {n: m.get("preemptions") for n, m in after_rounds.items()}
+        # Engine steps and tokens per step over the measured rounds: fewer tokens a step
+        # (the scheduler admitting less) and slower steps read apart here.
+        steps = {n: {k: m.get(k, 0) - before[n].get(k, 0)
+                     for k in ("steps", "step_tokens", "prefix_hits", "prefix_queries")}
+                 for n, m in after_rounds.items()}
         page_calls = {n: page_call_totals(e.ns) for n, e in engines.items() if e.enabled}
         time.sleep(3.0)  # after the last round: the kvcached engine's memory falls back
         sampler.mark("idle")
@@ -682,6 +712,9 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             "init_ratio_kvcached_vs_control": round(engines["kvcached"].init_s /
                                                     engines["control"].init_s, 4),
             "preemptions": preemptions,
+            "engine_steps": {n: dict(v, seconds_per_step=round(
+                sum(x["seconds"] for x in rounds[n]) / v["steps"], 5) if v["steps"] else None)
+                for n, v in steps.items()},
             "page_calls": page_calls,
             "tokens_vs_vanilla": {n: differing(tokens["vanilla"], tokens[n])
                                   for n in ("kvcached", "control")},
@@ -690,6 +723,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
                                           "trace_gib": [(t, round(v / GIB, 2))
                                                         for t, v in after[::5]]},
             "kvcached_log": engines["kvcached"].kvcached_log(),
+            "setup_lines": {n: e.setup_lines() for n, e in engines.items()},
         }
     finally:
         if sampler is not None:
