@@ -328,9 +328,36 @@ def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any
     return {"results": results, "samples": samples, "wall_s": wall, "startup_s": start_s,
             "preemptions": preemptions, "alone": alone,
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
-            "metrics_sleeps": sum(1 for line in metrics.splitlines()
-                                  if line.startswith("kvcached_serve_sleeps_total")
-                                  and not line.rstrip().endswith(" 0.0"))}
+            "sleep_wake": sleep_wake(metrics)}
+
+
+def sleep_wake(metrics: str) -> dict[str, dict[str, Any]]:
+    """Per model, from the controller's ``/metrics``: sleeps (by reason), wakes (first starts
+    included) and the mean and total seconds a sleep and a wake took."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, Any]] = {}
+    for fam in text_string_to_metric_families(metrics):
+        if fam.name not in ("kvcached_serve_sleeps", "kvcached_serve_wakes",
+                            "kvcached_serve_wake_latency_seconds",
+                            "kvcached_serve_sleep_latency_seconds"):
+            continue
+        what = fam.name.removeprefix("kvcached_serve_").removesuffix("_seconds")
+        for sample in fam.samples:
+            m = out.setdefault(sample.labels.get("model", "?"), {})
+            if sample.name.endswith("_total"):
+                reason = sample.labels.get("reason")
+                key = f"{what}_{reason}" if reason else what
+                m[key] = m.get(key, 0) + int(sample.value)
+            elif sample.name.endswith("_sum"):
+                m[f"{what}_total_s"] = round(sample.value, 3)
+            elif sample.name.endswith("_count"):
+                m[f"{what}_count"] = int(sample.value)
+    for m in out.values():
+        for what in ("wake_latency", "sleep_latency"):
+            if m.get(f"{what}_count"):
+                m[f"{what}_mean_s"] = round(m[f"{what}_total_s"] / m[f"{what}_count"], 3)
+    return out
 
 
 def engine_preemptions(port: int) -> int | None:
@@ -378,6 +405,7 @@ def summarize(run: dict[str, Any], slo: float, names: list[str]) -> dict[str, An
     out["replay_wall_s"] = round(run["wall_s"], 1)
     out["engines_startup_s"] = round(run["startup_s"], 1)
     out["preemptions"] = run["preemptions"]
+    out["sleep_wake"] = run["sleep_wake"]
     out["host_load_average_after_1_5_15min"] = run["load_average_after"]
     out["per_model"] = {n: block([r for r in res if r["model"] == n]) for n in names}
     kv = {n: [s[n] for s in run["samples"] if isinstance(s.get(n), int)] for n in names}
@@ -532,7 +560,8 @@ def main() -> None:
             "total_kv_bytes": args.budget,
             "shared": "kvcached on, one device budget of total_kv_bytes; each engine's "
                       "kv_cache_memory_bytes = total (virtual)"
-                      + (f"; idle models sleep after {args.idle_sleep:g} s (process stop)"
+                      + (f"; idle models sleep after {args.idle_sleep:g} s ("
+                         + ("process stop)" if kind == "cpu" else "vLLM's sleep mode, level 1)")
                          if args.idle_sleep else "; sleep/wake off (see the notes)"),
             "static": "KVCACHED_ENABLED=0; each engine's kv_cache_memory_bytes = total / models",
             "engine_env": ("VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 (both modes: "
