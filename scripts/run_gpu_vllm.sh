@@ -20,7 +20,8 @@
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
 # BENCH_ARGS passes more options to bench_vllm_gpu.py (e.g. BENCH_ARGS="--reps 12", or
 # "--variant held:KVCACHED_IDLE_TRIM_S=0 --stacks $OUT/stacks" to compare settings and see where
-# each engine's Python threads spend their time: $OUT/stacks.tgz; "--kv-gib 12 --variant
+# each engine's Python threads spend their time: $OUT/stacks.tgz, compared with vanilla's
+# by benchmarks/stack_sampler/compare.py in $OUT/stacks-compare.{txt,json}; "--kv-gib 12 --variant
 # ahead-off:KVCACHED_MAP_AHEAD=0" for map-ahead's share of perf; "--inproc" with tokens for
 # engine cores in their LLM's process, so batches do not depend on request arrival).
 set -uo pipefail
@@ -96,6 +97,9 @@ for phase in "$@"; do
 done
 # Stack samples (BENCH_ARGS="--stacks $OUT/stacks") come back as one file: a run returns few files.
 if [ -d "$OUT/stacks" ]; then
+  python3 benchmarks/stack_sampler/compare.py "$OUT/stacks" --top 30 \
+    --json "$OUT/stacks-compare.json" > "$OUT/stacks-compare.txt" 2>&1
+  head -80 "$OUT/stacks-compare.txt"
   tar czf "$OUT/stacks.tgz" -C "$OUT" stacks && rm -rf "$OUT/stacks"
 fi
 echo "total $(( $(date +%s) - start )) s"
