@@ -137,7 +137,8 @@ def build_models(root: Path, phase: str) -> dict[str, str]:
 # ------------------------------------------------------------------ engine child
 
 #: vLLM metrics an engine reports (``metrics`` command), by the name they get here.
-ENGINE_METRICS = {"vllm:num_preemptions": "preemptions", "vllm:num_preemptions_total": "preemptions",
+ENGINE_METRICS = {"vllm:num_preemptions": "preemptions",
+                  "vllm:num_preemptions_total": "preemptions",
                   "vllm:iteration_tokens_total": "steps",
                   "vllm:prefix_cache_hits": "prefix_hits",
                   "vllm:prefix_cache_hits_total": "prefix_hits",

@@ -4,7 +4,7 @@
 
 ``DIR`` holds one folder per engine (``vanilla``, ``kvcached``, a variant, ``control``), each
 with a ``<pid>.json`` per process (see ``sitecustomize.py``). Per engine, the thread that
-ran vLLM's engine core loop (the one whose samples include ``EngineCoreProc.run_busy_loop``) is
+ran vLLM's engine core loop (whose samples include ``EngineCoreProc.run_busy_loop``) is
 compared function by function with the same thread of ``--base``: samples with the function
 on the stack (inclusive), largest differences first, and the other threads' busiest
 functions (kvcached's page thread, the worker's). Counts times the period are milliseconds.
