@@ -491,6 +491,81 @@ def test_only_a_scheduler_that_runs_ahead_gets_a_step_fence(ahead):
         backing.release()
 
 
+def test_a_queued_requests_pages_map_when_it_arrives_not_in_its_step():
+    """A burst's requests join the waiting queue before the step that schedules them: the
+    pages they will take start mapping at once (``add_request``), up to the look-ahead's
+    token budget, and the next step's own look-ahead counts afresh."""
+    import time
+    import uuid
+
+    from kvcached_vllm import worker as w
+    from kvcached_vllm.patches import ARRIVAL_ATTR, wrap_add_request
+    from kvcached_vllm.scheduler import LOOKAHEAD_STEPS, build_runtime
+
+    cfg = _one_buffer_config(num_blocks=32 * 16)  # 16 pages of 32 blocks, 2 layers
+    ns = f"ar-{uuid.uuid4().hex[:8]}"
+    with env(KVCACHED_IPC_NAME=ns, KVCACHED_STRICT="1", KVCACHED_MIN_RESERVED_PAGES="0",
+             KVCACHED_MAX_RESERVED_PAGES="16", KVCACHED_IDLE_KEEP_PAGES="0"):
+        w.elastic_kv_caches(_allocate(cfg, []), device="cpu", kv_cache_config=cfg,
+                            vllm_config=_vllm_config("ar"))
+        backing = w.backings()[-1]
+        vcfg = _vllm_config("ar")
+        vcfg.scheduler_config = SimpleNamespace(async_scheduling=True)
+        rt = build_runtime(vcfg, cfg)
+
+    class Scheduler:  # vLLM's add_request, as far as the wrapper sees it
+        def __init__(self):
+            self.waiting, self.running, self.max_num_scheduled_tokens = [], [], 2048
+            self.added = []
+
+        def add_request(self, request):
+            self.added.append(request)
+            self.waiting.append(request)
+
+    Scheduler.add_request = wrap_add_request(Scheduler.add_request)
+    sched = Scheduler()
+    rt.plan_ahead(sched)
+    setattr(sched, ARRIVAL_ATTR, rt.note_arrival)
+    page_blocks, block_size = 32, rt.block_size
+    try:
+        assert rt.ahead_tokens == LOOKAHEAD_STEPS * 2048
+        base = backing.mapped_bytes()  # the null block's page
+        # Two pages' blocks: more than the null block's page has free.
+        req = SimpleNamespace(num_tokens=2 * page_blocks * block_size, num_computed_tokens=0)
+        sched.add_request(req)
+        assert sched.added == [req]  # vLLM's own method ran
+        assert rt.hinted_tokens == min(rt.ahead_tokens, req.num_tokens)
+        deadline = time.monotonic() + 5
+        while backing.mapped_bytes() == base and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Mapped in the background, before any step asked for a block.
+        assert backing.mapped_bytes() > base
+        assert rt.pool.blocks.num_allocated == 1  # only the null block is taken
+        # The hint stops at the look-ahead's budget, however many more arrive.
+        for _ in range(50):
+            sched.add_request(SimpleNamespace(num_tokens=4096, num_computed_tokens=0))
+        assert rt.hinted_tokens == rt.ahead_tokens
+        # A step's look-ahead counts afresh: nothing queued, nothing running.
+        sched.waiting.clear()
+        rt.map_ahead(sched)
+        assert rt.hinted_tokens == 0
+    finally:
+        rt.close()
+        w._BACKINGS.remove(backing)
+        backing.release()
+
+
+def test_a_scheduler_without_kvcached_adds_requests_as_vllm_does():
+    from kvcached_vllm.patches import wrap_add_request
+
+    class Scheduler:
+        def add_request(self, request):
+            return ("added", request)
+
+    Scheduler.add_request = wrap_add_request(Scheduler.add_request)
+    assert Scheduler().add_request(7) == ("added", 7)
+
+
 def test_kvcached_logs_through_vllms_handlers_once():
     """kvcached's records reach vLLM's handlers, and a handler that vLLM shares with the
     root logger (where kvcached's records propagate anyway) sees each record once."""

@@ -216,6 +216,8 @@ STEP_ATTR = "_kvcached_step"
 LOCK_ATTR = "_kvcached_lock"
 #: Where an elastic scheduler keeps its runtime's ``map_ahead`` (when on).
 AHEAD_ATTR = "_kvcached_map_ahead"
+#: Where an elastic scheduler keeps its runtime's ``note_arrival`` (when mapping ahead).
+ARRIVAL_ATTR = "_kvcached_note_arrival"
 
 
 def wrap_scheduler_init(original: Any) -> Any:
@@ -237,6 +239,7 @@ def wrap_scheduler_init(original: Any) -> Any:
             rt.plan_ahead(self)
             if rt.ahead:
                 setattr(self, AHEAD_ATTR, rt.map_ahead)
+                setattr(self, ARRIVAL_ATTR, rt.note_arrival)
 
     return __init__
 
@@ -282,6 +285,21 @@ def wrap_schedule(original: Any) -> Any:
         return output
 
     return schedule
+
+
+def wrap_add_request(original: Any) -> Any:
+    """A request joins the waiting queue: the pages it will take start mapping now
+    (:meth:`~kvcached_vllm.scheduler.ElasticRuntime.note_arrival`)."""
+
+    @functools.wraps(original)
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, *args, **kwargs)
+        note = self.__dict__.get(ARRIVAL_ATTR)
+        if note is not None:
+            note(request)
+        return result
+
+    return add_request
 
 
 def wrap_release_records_first(original: Any) -> Any:
@@ -611,6 +629,10 @@ def build_patches(version: Any, device_type: str | None = None) -> list[Patch]:
                   wrapper=wrap_schedule, name="step-fence-scheduled",
                   description="number the steps handed to the workers; map ahead the "
                               "pages queued requests will take"),
+        _deferred("vllm.v1.core.sched.scheduler:Scheduler.add_request", versions=ALL,
+                  wrapper=wrap_add_request, name="map-ahead-on-arrival",
+                  description="a queued request's pages start mapping before the step that "
+                              "schedules it"),
         _deferred("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", versions=ALL,
                   wrapper=wrap_update_from_output, name="step-fence-completed",
                   description="a step's output arrived: pages it could read may be unmapped"),

@@ -102,6 +102,9 @@ class ElasticRuntime:
     ahead_tokens: int = 0
     block_size: int = 16
     groups: int = 1
+    #: Tokens the current hint counts: :meth:`map_ahead`'s after a step, plus what arrived
+    #: since (:meth:`note_arrival`).
+    hinted_tokens: int = 0
 
     def plan_ahead(self, scheduler: Any) -> None:
         """Size :meth:`map_ahead` from a built scheduler (its token budget per step)."""
@@ -144,10 +147,33 @@ class ElasticRuntime:
                     tokens += req.num_tokens - req.num_computed_tokens
                     if tokens >= budget:
                         break
-            self.pool.blocks.expect(min(tokens, budget) * self.groups // self.block_size)
+            self.hinted_tokens = tokens = min(tokens, budget)
+            self.pool.blocks.expect(tokens * self.groups // self.block_size)
         except Exception:  # an unexpected scheduler: serve without the hint
             self.ahead = False
             log.warning("kvcached: mapping ahead of queued requests is off: this scheduler "
+                        "lacks what it reads", exc_info=True)
+
+    def note_arrival(self, request: Any) -> None:
+        """A request joined the waiting queue: its tokens join the hint at once.
+
+        A burst's requests arrive before the step that schedules them (``LLM.generate``
+        adds them all first; a server's arrive while steps run), so the pages of the
+        burst's first step map while the engine takes the rest of it in, instead of
+        inside that step. Stops counting once the hint covers :meth:`map_ahead`'s
+        token budget; the next step's :meth:`map_ahead` counts afresh.
+        """
+        budget = self.ahead_tokens
+        if not self.ahead or self.hinted_tokens >= budget:
+            return
+        try:
+            tokens = min(budget, self.hinted_tokens
+                         + request.num_tokens - request.num_computed_tokens)
+            self.hinted_tokens = tokens
+            self.pool.blocks.expect(tokens * self.groups // self.block_size)
+        except Exception:  # an unexpected request: serve without the hint
+            self.ahead = False
+            log.warning("kvcached: mapping ahead of queued requests is off: this request "
                         "lacks what it reads", exc_info=True)
 
     def attach_pool(self, block_pool: Any) -> None:
