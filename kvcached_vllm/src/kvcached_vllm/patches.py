@@ -31,6 +31,8 @@ page-aligned-kv-blocks                 all           block count keeps layer reg
 elastic-scheduler-setup                all           kvcached setup with the scheduler's config
 step-fence-scheduled                   all           count scheduled steps (the unmap fence);
                                                      map ahead what queued requests take
+map-ahead-on-arrival                   all           a queued request's pages map before the
+                                                     step that schedules it
 step-fence-completed                   all           count completed steps (the unmap fence)
 release-records-on-shutdown            all           the pool's usage record and budget share go
                                                      before vLLM's teardown
