@@ -333,7 +333,8 @@ def run_mode(mode: str, model: Path, names: list[str], trace: list[dict[str, Any
 
 def sleep_wake(metrics: str) -> dict[str, dict[str, Any]]:
     """Per model, from the controller's ``/metrics``: sleeps (by reason), wakes (first starts
-    included) and the mean and total seconds a sleep and a wake took."""
+    included) and the mean and total seconds a sleep and a wake took, by mode (a wake's mode is
+    the sleep it ended, ``start`` for a first start or a restart)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, dict[str, Any]] = {}
@@ -349,14 +350,17 @@ def sleep_wake(metrics: str) -> dict[str, dict[str, Any]]:
                 reason = sample.labels.get("reason")
                 key = f"{what}_{reason}" if reason else what
                 m[key] = m.get(key, 0) + int(sample.value)
-            elif sample.name.endswith("_sum"):
-                m[f"{what}_total_s"] = round(sample.value, 3)
+                continue
+            mode = sample.labels.get("mode")
+            key = f"{what}_{mode}" if mode else what
+            if sample.name.endswith("_sum"):
+                m[f"{key}_total_s"] = round(sample.value, 3)
             elif sample.name.endswith("_count"):
-                m[f"{what}_count"] = int(sample.value)
+                m[f"{key}_count"] = int(sample.value)
     for m in out.values():
-        for what in ("wake_latency", "sleep_latency"):
-            if m.get(f"{what}_count"):
-                m[f"{what}_mean_s"] = round(m[f"{what}_total_s"] / m[f"{what}_count"], 3)
+        for key in [k.removesuffix("_count") for k in m if k.endswith("_count")]:
+            if m[f"{key}_count"] and f"{key}_total_s" in m:
+                m[f"{key}_mean_s"] = round(m[f"{key}_total_s"] / m[f"{key}_count"], 3)
     return out
 
 

@@ -387,7 +387,7 @@ def test_queue_503_then_wake_sleeps_least_recently_used(served: Served):
     assert metric(text, "kvcached_serve_queue_rejections_total", model="tiny-c",
                   reason="queue_full") == 1
     assert metric(text, "kvcached_serve_wake_latency_seconds_count", model="tiny-c",
-                  mode="process") == 1
+                  mode="start") == 1  # its first start: no sleep to wake from
     assert metric(text, "kvcached_serve_kv_mapped_bytes", model="tiny-b") == 0
 
 
@@ -454,6 +454,11 @@ def test_lazy_model_wakes_and_sleeps_when_idle(served: Served, sglang):
     text = served.metrics()
     assert metric(text, "kvcached_serve_sleeps_total", model="tiny-d", reason="idle") == 1
     assert metric(text, "kvcached_serve_wakes_total", model="tiny-d") == 2
+    # A start and a wake are timed apart: the wake is labelled with the sleep it ends.
+    assert metric(text, "kvcached_serve_wake_latency_seconds_count", model="tiny-d",
+                  mode="start") == 1
+    assert metric(text, "kvcached_serve_wake_latency_seconds_count", model="tiny-d",
+                  mode="process") == 1
     assert metric(text, "kvcached_serve_sleeps_total", model="tiny-a", reason="lru") == 1
 
 

@@ -62,6 +62,9 @@ class ModelRuntime:
     wake_started: float = 0.0
     kv_limit: int = -1  # the live KV limit the controller set (-1: none)
     last_wake_s: float | None = None
+    #: How the engine went to sleep last (the sleep mode's name, ``process`` when it was
+    #: stopped instead); ``None`` when its next wake is a start (first, or after a crash).
+    slept_as: str | None = None
     last_error: str | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -281,7 +284,7 @@ class Controller:
             await self._make_room(m)
             m.state = "starting"
             m.wake_started = time.monotonic()
-            first = m.engine.proc is None
+            mode, m.slept_as = m.slept_as or "start", None
             try:
                 await m.sleep_mode.wake(m.engine, self.client)
             except EngineError as exc:
@@ -298,9 +301,9 @@ class Controller:
             m.last_error = None
             m.ready.set()
             self.metrics.wakes.labels(m.cfg.name).inc()
-            self.metrics.wake_latency.labels(m.cfg.name, m.sleep_mode.name).observe(m.last_wake_s)
+            self.metrics.wake_latency.labels(m.cfg.name, mode).observe(m.last_wake_s)
             log.info("%s: awake after %.1f s (%s)", m.cfg.name, m.last_wake_s,
-                     "first start" if first else f"{m.sleep_mode.name} wake")
+                     "a start" if mode == "start" else f"{mode} wake")
 
     def _weights_fit(self, m: ModelRuntime) -> bool:
         cap = self.cfg.weight_capacity
@@ -341,9 +344,11 @@ class Controller:
         async with m.lock:
             try:
                 await m.sleep_mode.sleep(m.engine, self.client)
+                m.slept_as = m.sleep_mode.name
             except EngineError as exc:  # the engine would not sleep: stop it instead
                 log.error("%s: %s; stopping the engine instead", m.cfg.name, exc)
                 await asyncio.to_thread(m.engine.stop)
+                m.slept_as = "process"
             m.state = "asleep"
         self.metrics.sleeps.labels(m.cfg.name, reason).inc()
         self.metrics.sleep_latency.labels(m.cfg.name, m.sleep_mode.name).observe(

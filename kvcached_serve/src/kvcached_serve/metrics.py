@@ -42,7 +42,9 @@ class Metrics:
         self.wakes = Counter("kvcached_serve_wakes", "Models woken (first starts included)",
                              ["model"], registry=r)
         self.wake_latency = Histogram("kvcached_serve_wake_latency_seconds", "From the decision "
-                                      "to wake to the engine answering health", ["model", "mode"],
+                                      "to wake to the engine answering health; mode: the sleep "
+                                      "mode it wakes from, or start (a first start or a "
+                                      "restart)", ["model", "mode"],
                                       buckets=_WAKE, registry=r)
         self.sleep_latency = Histogram("kvcached_serve_sleep_latency_seconds", "Time to put a "
                                        "model to sleep", ["model", "mode"], buckets=_WAKE,
