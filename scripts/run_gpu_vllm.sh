@@ -19,9 +19,9 @@
 #            "--reps 2 --pool-reps 0": the block pools are measured on the CPU)
 # BUDGET (seconds, default 540) bounds the whole run; phases stop early when it runs out.
 # BENCH_ARGS passes more options to bench_vllm_gpu.py (e.g. BENCH_ARGS="--reps 12", or
-# "--variant held:KVCACHED_IDLE_TRIM_S=0 --stacks $OUT/stacks" to compare settings and see where
-# each engine's Python threads spend their time: $OUT/stacks.tgz, compared with vanilla's
-# by benchmarks/stack_sampler/compare.py in $OUT/stacks-compare.{txt,json}; "--kv-gib 12 --variant
+# "--variant held:KVCACHED_IDLE_TRIM_S=0" to compare settings); STACKS=1 samples where each
+# engine's Python threads spend their time (--stacks $OUT/stacks): $OUT/stacks.tgz, compared with
+# vanilla's by benchmarks/stack_sampler/compare.py in $OUT/stacks-compare.{txt,json}; "--kv-gib 12 --variant
 # ahead-off:KVCACHED_MAP_AHEAD=0" for map-ahead's share of perf; "--inproc" with tokens for
 # engine cores in their LLM's process, so batches do not depend on request arrival).
 set -uo pipefail
@@ -71,8 +71,10 @@ for phase in "$@"; do
         | tee -a "$OUT/tests.log" | tail -3 || status=1 ;;
     tokens*|perf*)  # tokens:v2-graphs,batch-invariant runs only those parts
       name=${phase%%:*}; parts=(); [ "$name" != "$phase" ] && IFS=, read -ra parts <<< "${phase#*:}"
+      stacks=(); [ "${STACKS:-0}" = 1 ] && stacks=(--stacks "$OUT/stacks")
       # shellcheck disable=SC2086  # BENCH_ARGS: more options, e.g. "--reps 12"
-      python3 benchmarks/bench_vllm_gpu.py "$name" --budget "$(left)" --configs "${parts[@]}" ${BENCH_ARGS:-} \
+      python3 benchmarks/bench_vllm_gpu.py "$name" --budget "$(left)" --configs "${parts[@]}" \
+        ${BENCH_ARGS:-} "${stacks[@]}" \
         --out "$OUT/vllm-gpu-$name.json" 2>&1 | tee "$OUT/bench-$name.log" \
         | grep -v "^(EngineCore\|^(Worker\|^INFO\|^WARNING" || status=1 ;;
     serve)
@@ -95,7 +97,7 @@ for phase in "$@"; do
     *) echo "unknown phase $phase"; status=1 ;;
   esac
 done
-# Stack samples (BENCH_ARGS="--stacks $OUT/stacks") come back as one file: a run returns few files.
+# Stack samples (STACKS=1) come back as one file: a run returns few files.
 if [ -d "$OUT/stacks" ]; then
   python3 benchmarks/stack_sampler/compare.py "$OUT/stacks" --top 30 \
     --json "$OUT/stacks-compare.json" > "$OUT/stacks-compare.txt" 2>&1
