@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -448,31 +449,47 @@ def test_warmup_window_maps_what_the_warmup_names_and_nothing_after():
         backing.release()
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_only_a_scheduler_that_runs_ahead_gets_a_step_fence(ahead):
+def _wait_until(ok, timeout=5.0):
     import time
-    import uuid
 
-    def wait_until(ok, timeout=5.0):
-        deadline = time.monotonic() + timeout
-        while not ok() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return ok()
+    deadline = time.monotonic() + timeout
+    while not ok() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return ok()
+
+
+@contextlib.contextmanager
+def _runtime_beside_its_worker(tag: str, pages: int, *, async_scheduling: bool,
+                               max_reserved: int):
+    """A scheduler's elastic runtime over a worker's backing in this process, as a 1-GPU
+    engine has (pages of 32 blocks, 2 layers); yields ``(runtime, backing)``."""
+    import uuid
 
     from kvcached_vllm import worker as w
     from kvcached_vllm.scheduler import build_runtime
 
-    cfg = _one_buffer_config(num_blocks=32 * 4)
-    ns = f"sf-{uuid.uuid4().hex[:8]}"
-    with env(KVCACHED_IPC_NAME=ns, KVCACHED_STRICT="1", KVCACHED_MIN_RESERVED_PAGES="0",
-             KVCACHED_MAX_RESERVED_PAGES="0", KVCACHED_IDLE_KEEP_PAGES="0"):
+    cfg = _one_buffer_config(num_blocks=32 * pages)
+    with env(KVCACHED_IPC_NAME=f"{tag}-{uuid.uuid4().hex[:8]}", KVCACHED_STRICT="1",
+             KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES=str(max_reserved),
+             KVCACHED_IDLE_KEEP_PAGES="0"):
         w.elastic_kv_caches(_allocate(cfg, []), device="cpu", kv_cache_config=cfg,
-                            vllm_config=_vllm_config("sf"))
+                            vllm_config=_vllm_config(tag))
         backing = w.backings()[-1]
-        vcfg = _vllm_config("sf")
-        vcfg.scheduler_config = SimpleNamespace(async_scheduling=ahead)
+        vcfg = _vllm_config(tag)
+        vcfg.scheduler_config = SimpleNamespace(async_scheduling=async_scheduling)
         rt = build_runtime(vcfg, cfg)
     try:
+        yield rt, backing
+    finally:
+        rt.close()
+        w._BACKINGS.remove(backing)
+        backing.release()
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_only_a_scheduler_that_runs_ahead_gets_a_step_fence(ahead):
+    with _runtime_beside_its_worker("sf", 4, async_scheduling=ahead, max_reserved=0) as (
+            rt, backing):
         assert (rt.pool.fence is not None) == ahead
         assert rt.pool.backing._server is backing.server  # the worker lives in this process
         ids = rt.pool.blocks.alloc(40)  # pages 0 (with the null block) and 1
@@ -484,34 +501,15 @@ def test_only_a_scheduler_that_runs_ahead_gets_a_step_fence(ahead):
         assert backing.mapped_bytes() == (2 if ahead else 1) * 2 * backing.page_size
         if ahead:
             rt.pool.fence.step_completed(1)
-            assert wait_until(lambda: backing.mapped_bytes() == 2 * backing.page_size)
-    finally:
-        rt.close()
-        w._BACKINGS.remove(backing)
-        backing.release()
+            assert _wait_until(lambda: backing.mapped_bytes() == 2 * backing.page_size)
 
 
 def test_a_queued_requests_pages_map_when_it_arrives_not_in_its_step():
     """A burst's requests join the waiting queue before the step that schedules them: the
     pages they will take start mapping at once (``add_request``), up to the look-ahead's
     token budget, and the next step's own look-ahead counts afresh."""
-    import time
-    import uuid
-
-    from kvcached_vllm import worker as w
     from kvcached_vllm.patches import ARRIVAL_ATTR, wrap_add_request
-    from kvcached_vllm.scheduler import LOOKAHEAD_STEPS, build_runtime
-
-    cfg = _one_buffer_config(num_blocks=32 * 16)  # 16 pages of 32 blocks, 2 layers
-    ns = f"ar-{uuid.uuid4().hex[:8]}"
-    with env(KVCACHED_IPC_NAME=ns, KVCACHED_STRICT="1", KVCACHED_MIN_RESERVED_PAGES="0",
-             KVCACHED_MAX_RESERVED_PAGES="16", KVCACHED_IDLE_KEEP_PAGES="0"):
-        w.elastic_kv_caches(_allocate(cfg, []), device="cpu", kv_cache_config=cfg,
-                            vllm_config=_vllm_config("ar"))
-        backing = w.backings()[-1]
-        vcfg = _vllm_config("ar")
-        vcfg.scheduler_config = SimpleNamespace(async_scheduling=True)
-        rt = build_runtime(vcfg, cfg)
+    from kvcached_vllm.scheduler import LOOKAHEAD_STEPS
 
     class Scheduler:  # vLLM's add_request, as far as the wrapper sees it
         def __init__(self):
@@ -524,22 +522,19 @@ def test_a_queued_requests_pages_map_when_it_arrives_not_in_its_step():
 
     Scheduler.add_request = wrap_add_request(Scheduler.add_request)
     sched = Scheduler()
-    rt.plan_ahead(sched)
-    setattr(sched, ARRIVAL_ATTR, rt.note_arrival)
-    page_blocks, block_size = 32, rt.block_size
-    try:
+    with _runtime_beside_its_worker("ar", 16, async_scheduling=True, max_reserved=16) as (
+            rt, backing):
+        rt.plan_ahead(sched)
+        setattr(sched, ARRIVAL_ATTR, rt.note_arrival)
         assert rt.ahead_tokens == LOOKAHEAD_STEPS * 2048
         base = backing.mapped_bytes()  # the null block's page
         # Two pages' blocks: more than the null block's page has free.
-        req = SimpleNamespace(num_tokens=2 * page_blocks * block_size, num_computed_tokens=0)
+        req = SimpleNamespace(num_tokens=2 * 32 * rt.block_size, num_computed_tokens=0)
         sched.add_request(req)
         assert sched.added == [req]  # vLLM's own method ran
         assert rt.hinted_tokens == min(rt.ahead_tokens, req.num_tokens)
-        deadline = time.monotonic() + 5
-        while backing.mapped_bytes() == base and time.monotonic() < deadline:
-            time.sleep(0.01)
         # Mapped in the background, before any step asked for a block.
-        assert backing.mapped_bytes() > base
+        assert _wait_until(lambda: backing.mapped_bytes() > base)
         assert rt.pool.blocks.num_allocated == 1  # only the null block is taken
         # The hint stops at the look-ahead's budget, however many more arrive.
         for _ in range(50):
@@ -549,10 +544,6 @@ def test_a_queued_requests_pages_map_when_it_arrives_not_in_its_step():
         sched.waiting.clear()
         rt.map_ahead(sched)
         assert rt.hinted_tokens == 0
-    finally:
-        rt.close()
-        w._BACKINGS.remove(backing)
-        backing.release()
 
 
 def test_a_scheduler_without_kvcached_adds_requests_as_vllm_does():
