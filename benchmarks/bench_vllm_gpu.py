@@ -717,8 +717,9 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
                 sum(x["seconds"] for x in rounds[n]) / v["steps"], 5) if v["steps"] else None)
                 for n, v in steps.items()},
             "page_calls": page_calls,
+            # Every setting's greedy tokens against vanilla's, the control's among them.
             "tokens_vs_vanilla": {n: differing(tokens["vanilla"], tokens[n])
-                                  for n in ("kvcached", "control")},
+                                  for n in engines if n != "vanilla"},
             "memory": mem,
             "kvcached_after_last_round": {"settled_s": settle,
                                           "trace_gib": [(t, round(v / GIB, 2))
