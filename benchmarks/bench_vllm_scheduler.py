@@ -77,7 +77,10 @@ vllm-gpu-throughput-hosts.json). Results:
 benchmarks/results/vllm-cpu-scheduler-replay.json (``--out`` elsewhere; the
 runs recorded beside it: ``-nomap`` with ``--emulate-map-us 0 --profile``,
 ``-map850us`` with ``--emulate-map-us 850``, about 16 regions x 53 us: the 1B
-model's 16 layers at the slow host's cold map).
+model's 16 layers at the slow host's cold map; ``-arrival`` and ``-arrival-off`` with
+``KVCACHED_CACHE_IDLE_S=1 ... --emulate-gpu 6000,4 --emulate-map-us 850 --intake-us 150``
+and without / with ``--no-arrival``: what mapping ahead as requests arrive saves a burst
+that grows from empty).
 """
 
 from __future__ import annotations
@@ -335,19 +338,25 @@ def fake_output(sched, out):
 
 
 def serve(sched, requests: list, queue_size: int, pool=None,
-          gpu: tuple[float, float] | None = None) -> dict:
+          gpu: tuple[float, float] | None = None, intake_us: float = 0.0) -> dict:
     """Serve ``requests`` to completion as ``EngineCore.step_with_batch_queue`` (or ``step``
     with a queue of one) does; the engine core's time in the scheduler.
 
     ``gpu`` (``--emulate-gpu``: microseconds a step, and per scheduled token) stands in for
     the device: a step runs once the previous one is done, and its output is applied no
     sooner than it would be done, so the engine core waits as on a GPU and background work
-    (kvcached's page thread) runs meanwhile.
+    (kvcached's page thread) runs meanwhile. ``intake_us`` (``--intake-us``) is the engine's
+    work on each request before the scheduler gets it (``LLM.generate``'s input processing),
+    spent on this thread after each ``add_request``; the round's clock starts after the last.
     """
     sched_s, update_s, steps_sched, steps_update = [], [], 0, 0
     gpu_free = 0.0
     for req in requests:
         sched.add_request(req)
+        if intake_us:
+            until = time.perf_counter() + 1e-6 * intake_us
+            while time.perf_counter() < until:
+                pass
     queue: collections.deque = collections.deque()
     cpu0 = time.thread_time()
     t_round = time.perf_counter()
@@ -406,6 +415,12 @@ def main() -> None:
                     help="a device that takes US + US_PER_TOKEN x scheduled tokens per step: "
                          "the engine core waits for each step's output as on a GPU, and "
                          "round_wall_s compares like throughput")
+    ap.add_argument("--intake-us", type=float, default=0.0,
+                    help="the engine's work on each request before the scheduler gets it "
+                         "(LLM.generate's input processing), spent after each add_request")
+    ap.add_argument("--no-arrival", action="store_true",
+                    help="kvcached maps ahead only after each step, not as requests arrive "
+                         "(what map-ahead on arrival saves)")
     ap.add_argument("--cpu-path", action="store_true",
                     help="the CPU engine's settings: synchronous Scheduler, no fence, SETTINGS")
     ap.add_argument("--profile", action="store_true",
@@ -452,6 +467,10 @@ def main() -> None:
     elastic = build_scheduler(sched_cls, cfg, kv_kc)
     assert len(kvs.runtimes()) == before + 1, "the kvcached scheduler built no elastic runtime"
     rt = kvs.runtimes()[-1]
+    if args.no_arrival:
+        from kvcached_vllm.patches import ARRIVAL_ATTR
+
+        elastic.__dict__.pop(ARRIVAL_ATTR, None)
     pool = rt.pool
     pa = pool.pages
     assert type(elastic.kv_cache_manager.block_pool).__name__.startswith("ElasticBlockPool")
@@ -474,6 +493,8 @@ def main() -> None:
         "page_bytes_all_layers": rt.geometry.page_bytes,
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+        "map_ahead_on_arrival": not args.no_arrival and rt.ahead,
+        "intake_us_per_request": args.intake_us,
     })
     log("kvcached:", setup)
     calls = PageCalls(pool.backing, args.emulate_map_us)
@@ -499,7 +520,7 @@ def main() -> None:
             start_mapped = pa.num_mapped
             grow.take()
         res = serve(scheds[name], make_requests(prompts, tag, args.max_tokens, hasher), qsize,
-                    pool if is_kv else None, gpu)
+                    pool if is_kv else None, gpu, args.intake_us)
         if is_kv:
             res.update(pause_page_calls=pause, round_page_calls=calls.take(),
                        grow=grow.take(), mapped_pages_start=start_mapped,
