@@ -97,6 +97,8 @@ def make_trace(models: list[str], *, duration: float, rate: float, phases: int,
 
     def rate_of(i: int, t: float) -> float:
         hot = int(t // phase_s) % n
+        if n == 1:
+            return rate
         share = hot_share if i == hot else (1 - hot_share) / (n - 1)
         return rate * share
 
@@ -106,6 +108,11 @@ def make_trace(models: list[str], *, duration: float, rate: float, phases: int,
         t = 0.0
         while True:
             r = rate_of(i, t)
+            if r <= 0:  # no requests for this model in this phase (--hot-share 1)
+                t = (int(t // phase_s) + 1) * phase_s
+                if t >= duration:
+                    break
+                continue
             t += rng.gammavariate(shape, 1.0 / (r * shape))
             if t >= duration:
                 break
