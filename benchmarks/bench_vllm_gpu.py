@@ -681,9 +681,18 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
 
         def ratios(n):
             reps = per_rep(n)
-            return {"throughput_ratio": round(tps(n) / tps("vanilla"), 4),
-                    "per_rep_median": round(statistics.median(reps), 4) if reps else None,
-                    "per_rep_ratio": reps}
+            out = {"throughput_ratio": round(tps(n) / tps("vanilla"), 4),
+                   "per_rep_median": round(statistics.median(reps), 4) if reps else None,
+                   "per_rep_ratio": reps}
+            if n != "control":
+                # Against both vanilla engines of the round (vanilla and the control): half
+                # the denominator's own noise, where the host drifts from round to round.
+                pair = [(x["generated"] / x["seconds"]) / (0.5 * sum(
+                    y["generated"] / y["seconds"] for y in ys))
+                    for x, *ys in zip(rounds[n], rounds["vanilla"], rounds["control"])]
+                out["per_rep_median_vs_both_vanilla"] = (
+                    round(statistics.median(pair), 4) if pair else None)
+            return out
 
         mem = {}
         for n in engines:
