@@ -147,8 +147,7 @@ class ElasticRuntime:
                     tokens += req.num_tokens - req.num_computed_tokens
                     if tokens >= budget:
                         break
-            self.hinted_tokens = tokens = min(tokens, budget)
-            self.pool.blocks.expect(tokens * self.groups // self.block_size)
+            self._hint(min(tokens, budget))
         except Exception:  # an unexpected scheduler: serve without the hint
             self.ahead = False
             log.warning("kvcached: mapping ahead of queued requests is off: this scheduler "
@@ -167,14 +166,17 @@ class ElasticRuntime:
         if not self.ahead or self.hinted_tokens >= budget:
             return
         try:
-            tokens = min(budget, self.hinted_tokens
-                         + request.num_tokens - request.num_computed_tokens)
-            self.hinted_tokens = tokens
-            self.pool.blocks.expect(tokens * self.groups // self.block_size)
+            self._hint(min(budget, self.hinted_tokens
+                           + request.num_tokens - request.num_computed_tokens))
         except Exception:  # an unexpected request: serve without the hint
             self.ahead = False
             log.warning("kvcached: mapping ahead of queued requests is off: this request "
                         "lacks what it reads", exc_info=True)
+
+    def _hint(self, tokens: int) -> None:
+        """The page allocator maps ahead for ``tokens`` more tokens (the current hint)."""
+        self.hinted_tokens = tokens
+        self.pool.blocks.expect(tokens * self.groups // self.block_size)
 
     def attach_pool(self, block_pool: Any) -> None:
         """Let the page allocator evict the block pool's cached pages (budget asks, lower limits)."""
