@@ -529,7 +529,7 @@ def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str
     return out
 
 
-def token_env(args: argparse.Namespace) -> dict:
+def engine_env(args: argparse.Namespace) -> dict:
     """``--inproc``: every engine's core runs in its ``LLM``'s process, so a ``generate``
     call's requests are all queued before its first step and batches do not depend on
     when requests reach a separate engine-core process (vLLM's default on GPUs)."""
@@ -551,14 +551,14 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
 
     lock = threading.Lock()
     out: dict = {"utilization": TOKEN_UTILIZATION, "kv_bytes": TINY_KV,
-                 "engine_env": token_env(args)}
+                 "engine_env": engine_env(args)}
     jobs = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         for m, r, mode in groups:
             sizings = [s for s in ("bytes", "util") if wanted(f"{m}-{r}-{mode}-{s}")]
             if sizings:
                 jobs.append(pool.submit(token_group, m, models[m], r, mode, sizings, lock,
-                                        deadline, token_env(args)))
+                                        deadline, engine_env(args)))
         for job in jobs:
             out.update(job.result())
     if time.monotonic() < deadline - 60 and (not args.configs or "batch-invariant" in args.configs):
@@ -571,7 +571,7 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
                                     max_num_seqs=64,
                                     extra_env={"VLLM_BATCH_INVARIANT": "1",
                                                "VLLM_CACHE_ROOT": tempfile.mkdtemp(),
-                                               **token_env(args)})
+                                               **engine_env(args)})
             for e in engines.values():
                 e.wait_ready()
             res = {n: token_workload(e) for n, e in engines.items()}
@@ -622,7 +622,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
         for n in ("vanilla", "kvcached", *variants, "control"):
             enabled = n != "vanilla" and n != "control"
             env = {"VLLM_CACHE_ROOT": cache, **(GROW_ENV if enabled else {}),
-                   **variants.get(n, {}), **stacks_env(args, n)}
+                   **variants.get(n, {}), **stacks_env(args, n), **engine_env(args)}
             engines[n] = Engine(n, models["1b"], enabled=enabled, kv_bytes=kv_bytes,
                                 max_num_seqs=args.max_num_seqs, start=False, extra_env=env)
         for n, e in list(engines.items()):
@@ -711,7 +711,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             "prompts": args.prompts, "prompt_len": [256, 1024], "max_tokens": args.max_tokens,
             "reps": len(rounds["kvcached"]), "pause_s": args.pause,
             "tokens_per_s": {n: round(tps(n), 1) for n in engines},
-            "kvcached_env": GROW_ENV,
+            "kvcached_env": GROW_ENV, "engine_env": engine_env(args),
             **ratios("kvcached"),
             "control": ratios("control"),
             **({"variants": {n: ({"env": {**GROW_ENV, **env}, **ratios(n)} if n in engines
@@ -896,7 +896,9 @@ def main(argv=None) -> int:
                          "or has it as a part (MODEL-RUNNER-MODE-SIZING: tiny-v1-graphs-util, "
                          "h128, graphs, util; batch-invariant); perf: throughput and/or share")
     ap.add_argument("--inproc", action="store_true",
-                    help="tokens: engine cores in their LLM's process (deterministic batches)")
+                    help="tokens and perf throughput: engine cores in their LLM's process "
+                         "(deterministic batches; by default vLLM's separate engine-core "
+                         "process, where batches depend on when requests arrive)")
     ap.add_argument("--parallel", type=int, default=3,
                     help="tokens: model x runner x mode groups run at once")
     ap.add_argument("--variant", action="append", default=[],

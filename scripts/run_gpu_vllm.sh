@@ -22,7 +22,7 @@
 # "--variant held:KVCACHED_IDLE_TRIM_S=0" to compare settings); STACKS=1 samples where each
 # engine's Python threads spend their time (--stacks $OUT/stacks): $OUT/stacks.tgz, compared with
 # vanilla's by benchmarks/stack_sampler/compare.py in $OUT/stacks-compare.{txt,json}; "--kv-gib 12 --variant
-# ahead-off:KVCACHED_MAP_AHEAD=0" for map-ahead's share of perf; "--inproc" with tokens for
+# ahead-off:KVCACHED_MAP_AHEAD=0" for map-ahead's share of perf; "--inproc" (tokens, perf) for
 # engine cores in their LLM's process, so batches do not depend on request arrival).
 set -uo pipefail
 cd "$(dirname "$0")/.."
