@@ -68,6 +68,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -468,15 +469,21 @@ def kv_blocks(engine: Engine) -> int | None:
     return int(found[-1].replace(",", "")) if found else None
 
 
+class OutOfTime(Exception):
+    """The run's time budget ends before a configuration could finish."""
+
+
 def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str],
-                lock: threading.Lock, deadline: float, env: dict | None = None) -> dict:
+                lock: threading.Lock, deadline: float, env: dict | None = None,
+                done: Callable[[str, dict], None] | None = None) -> dict:
     """One model x runner x mode: for each KV sizing a vanilla, a control and a kvcached engine.
 
     The group's engines share one torch.compile cache: the first vanilla engine fills it,
     the others load the same compiled code. Engines sized by ``gpu_memory_utilization``
     profile the device's free memory, so they start one at a time across all groups
     (``lock``, which every engine's exit takes too: memory another process frees while
-    vLLM profiles fails its start).
+    vLLM profiles fails its start). ``done(label, row)`` gets each configuration's row as it
+    finishes.
     """
     out: dict = {}
     cache = tempfile.mkdtemp()
@@ -499,6 +506,8 @@ def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str
             for n in ("vanilla", "control", "kvcached"):
                 if sizing == "util":
                     with lock:  # one profiling start at a time, across all groups
+                        if time.monotonic() > deadline - 90:  # the wait for the lock was long
+                            raise OutOfTime
                         engines[n] = start(n).wait_ready()
                 elif n == "vanilla":  # alone: it fills the group's compile cache
                     engines[n] = start(n).wait_ready()
@@ -519,6 +528,9 @@ def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str
                 seconds=round(time.monotonic() - t0, 1), kvcached_log=logs)
             out[label] = row
             log(label, json.dumps({k: v for k, v in row.items() if k != "kvcached_log"}))
+        except OutOfTime:
+            out[label] = {"skipped": "time budget"}
+            log(label, "skipped: time budget")
         except Exception as exc:
             out[label] = {"error": str(exc)[-3000:]}
             log(label, "FAILED", str(exc)[-3000:])
@@ -526,6 +538,8 @@ def token_group(model: str, path: str, runner: str, mode: str, sizings: list[str
             with lock:
                 for e in engines.values():
                     e.finish()
+        if done is not None:
+            done(label, out[label])
     return out
 
 
@@ -536,9 +550,12 @@ def engine_env(args: argparse.Namespace) -> dict:
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.inproc else {}
 
 
-def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dict:
+def tokens_phase(models: dict, args: argparse.Namespace, deadline: float,
+                 save: Callable[[dict], object] | None = None) -> dict:
     """Every model shape x runner x mode x KV sizing, each with a vanilla A/A control; then
-    batch-invariant mode, where vanilla and kvcached must agree exactly."""
+    batch-invariant mode, where vanilla and kvcached must agree exactly. ``save`` gets the
+    results so far (``"partial": true``) after each configuration: a run stopped from
+    outside keeps what finished."""
     from concurrent.futures import ThreadPoolExecutor
 
     # CUDA graphs first (the profiling path), the model unlike the tiny one first.
@@ -552,13 +569,21 @@ def tokens_phase(models: dict, args: argparse.Namespace, deadline: float) -> dic
     lock = threading.Lock()
     out: dict = {"utilization": TOKEN_UTILIZATION, "kv_bytes": TINY_KV,
                  "engine_env": engine_env(args)}
+    saving = threading.Lock()  # not ``lock``: that one is held through profiling starts
+
+    def done(label: str, row: dict) -> None:
+        with saving:
+            out[label] = row
+            if save is not None:
+                save({**out, "summary": token_summary(out), "partial": True})
+
     jobs = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         for m, r, mode in groups:
             sizings = [s for s in ("bytes", "util") if wanted(f"{m}-{r}-{mode}-{s}")]
             if sizings:
                 jobs.append(pool.submit(token_group, m, models[m], r, mode, sizings, lock,
-                                        deadline, engine_env(args)))
+                                        deadline, engine_env(args), done))
         for job in jobs:
             out.update(job.result())
     if time.monotonic() < deadline - 60 and (not args.configs or "batch-invariant" in args.configs):
@@ -928,8 +953,9 @@ def main(argv=None) -> int:
     import torch
 
     result["torch"] = torch.__version__
-    result.update(tokens_phase(models, args, deadline) if args.phase == "tokens"
-                  else perf_phase(models, args, deadline))
+    result.update(tokens_phase(models, args, deadline,
+                               save=lambda part: save_json(args.out, {**result, **part}, indent=1))
+                  if args.phase == "tokens" else perf_phase(models, args, deadline))
     path = save_json(args.out, result, indent=1)
     log("wrote", path)
     return 0
