@@ -708,6 +708,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             reps = per_rep(n)
             out = {"throughput_ratio": round(tps(n) / tps("vanilla"), 4),
                    "per_rep_median": round(statistics.median(reps), 4) if reps else None,
+                   "per_rep_median_ci90": median_ci(reps),
                    "per_rep_ratio": reps}
             if n != "control":
                 # Against both vanilla engines of the round (vanilla and the control): half
@@ -717,6 +718,7 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
                     for x, *ys in zip(rounds[n], rounds["vanilla"], rounds["control"])]
                 out["per_rep_median_vs_both_vanilla"] = (
                     round(statistics.median(pair), 4) if pair else None)
+                out["per_rep_median_vs_both_vanilla_ci90"] = median_ci(pair)
             return out
 
         mem = {}
@@ -766,6 +768,20 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             sampler.stop()
         for e in engines.values():
             e.finish()
+
+
+def median_ci(values: list[float], level: float = 0.9, draws: int = 4000) -> list | None:
+    """A bootstrap interval of the median of per-round ratios (rounds resampled with
+    replacement, a fixed seed): whether a run's rounds can tell a goal apart from the
+    host's spread. None for fewer than four rounds."""
+    import random
+
+    if len(values) < 4:
+        return None
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    tail = (1 - level) / 2
+    return [round(meds[int(tail * draws)], 4), round(meds[int((1 - tail) * draws) - 1], 4)]
 
 
 def page_call_totals(namespace: str) -> dict:
