@@ -719,6 +719,15 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
                 out["per_rep_median_vs_both_vanilla"] = (
                     round(statistics.median(pair), 4) if pair else None)
                 out["per_rep_median_vs_both_vanilla_ci90"] = median_ci(pair)
+            # Against the vanilla engines' throughput at the same moment: interpolated
+            # between the vanilla rounds just before and just after this one (the control
+            # against vanilla's alone), which takes out the host's drift over tens of seconds.
+            near = bracketed_ratios(rounds[n], [x for m in ("vanilla", "control")
+                                                if m != n for x in rounds[m]])
+            out.update(per_rep_bracketed=near,
+                       per_rep_bracketed_median=(round(statistics.median(near), 4)
+                                                 if near else None),
+                       per_rep_bracketed_ci90=median_ci(near))
             return out
 
         mem = {}
@@ -739,6 +748,9 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             "reps": len(rounds["kvcached"]), "pause_s": args.pause,
             "tokens_per_s": {n: round(tps(n), 1) for n in engines},
             "kvcached_env": GROW_ENV, "engine_env": engine_env(args),
+            "rounds": {n: [{k: round(x[k], 3) for k in ("start", "end", "seconds")}
+                           | {"generated": x["generated"]} for x in rs]
+                       for n, rs in rounds.items()},
             **ratios("kvcached"),
             "control": ratios("control"),
             **({"variants": {n: ({"env": {**GROW_ENV, **env}, **ratios(n)} if n in engines
@@ -768,6 +780,28 @@ def _throughput(models: dict, args: argparse.Namespace, deadline: float) -> dict
             sampler.stop()
         for e in engines.values():
             e.finish()
+
+
+def bracketed_ratios(runs: list[dict], refs: list[dict]) -> list[float]:
+    """Each run's throughput over the reference runs' at its midpoint, interpolated between
+    the last reference run before it and the first after it (runs: ``start``, ``end`` in one
+    clock, ``generated``, ``seconds``); runs without a reference on both sides are left out."""
+    def mid(x: dict) -> float:
+        return 0.5 * (x["start"] + x["end"])
+
+    def rate(x: dict) -> float:
+        return x["generated"] / x["seconds"]
+
+    ref = sorted((mid(x), rate(x)) for x in refs)
+    out = []
+    for x in runs:
+        t = mid(x)
+        before = [p for p in ref if p[0] < t]
+        after = [p for p in ref if p[0] > t]
+        if before and after:
+            (t0, v0), (t1, v1) = before[-1], after[0]
+            out.append(round(rate(x) / (v0 + (v1 - v0) * (t - t0) / (t1 - t0)), 4))
+    return out
 
 
 def median_ci(values: list[float], level: float = 0.9, draws: int = 4000) -> list | None:
