@@ -10,13 +10,15 @@ without CUDA or ROCm opens cuda:N on a host with an NVIDIA driver.
 
 KVCACHED_BACKENDS=cuda,hip,host (any non-empty subset) restricts which GPU
 backends are compiled in; the host backend always is (CPU engines and the
-tests run on it). _native.compiled_backends() reports what was.
+tests run on it). _native.compiled_backends() reports what was. KVCACHED_BUILD_JOBS=N
+sets how many sources compile at once (default: one per CPU).
 """
 
 import os
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
 
 BACKENDS = ("cuda", "hip", "host")
 
@@ -49,6 +51,17 @@ def wanted_backends() -> set[str]:
     return names
 
 
+def build_jobs() -> int:
+    """Sources compiled at once: KVCACHED_BUILD_JOBS, or 0 (one per CPU)."""
+    raw = os.environ.get("KVCACHED_BUILD_JOBS", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise SystemExit(f"KVCACHED_BUILD_JOBS={raw!r}: give a whole number of compile jobs "
+                         "(0 or unset: one per CPU)")
+    return int(raw)
+
+
 sources = ["csrc/backend.cpp", "csrc/backend_host.cpp", "csrc/page_mapper.cpp",
            "csrc/page_server.cpp", "csrc/faults.cpp",
            "csrc/raw_timing.cpp", "csrc/block_table.cpp",
@@ -57,6 +70,9 @@ include_dirs = ["csrc"]
 macros = []
 reject_legacy_variables()
 wanted = wanted_backends()
+# The sources compile side by side: an editable install or a wheel builds in a fresh
+# directory, so every build compiles them all.
+ParallelCompile(default=build_jobs()).install()
 for backend in ("cuda", "hip"):
     if backend not in wanted:
         continue
