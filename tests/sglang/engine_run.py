@@ -119,9 +119,25 @@ class Sampler:
                         size=pool["size"], num_pages=pool["num_pages"])
         return snap
 
-    def settle(self, seconds: float) -> dict:
+    def settle(self, seconds: float, steady_s: float = 1.0, limit_s: float = 30.0) -> dict:
+        """A reading at least ``seconds`` from now, once the pool's counters (pages mapped,
+        reserved, in use; cached tokens) have not moved for ``steady_s``: the idle trims
+        that follow a burst take longer than ``seconds`` on a busy host, and what follows
+        (a giveback, a limit) must meet the engine at rest. Gives up waiting after
+        ``limit_s`` and returns the last reading."""
+        def counters(snap: dict) -> tuple:
+            return tuple(snap.get(k) for k in ("mapped", "reserved", "in_use", "used_tokens"))
+
         time.sleep(seconds)
-        return self.read()
+        last = self.read()
+        since, end = time.monotonic(), time.monotonic() + limit_s
+        while time.monotonic() - since < steady_s and time.monotonic() < end:
+            time.sleep(0.25)
+            snap = self.read()
+            if counters(snap) != counters(last):
+                since = time.monotonic()
+            last = snap
+        return last
 
 
 def serve(model: str, work_dir: str, leak: bool) -> None:
