@@ -247,12 +247,14 @@ def _giveback(sampler: Sampler) -> dict:
                 time.sleep(0.005)
         out["waited_ms"] = round(1e3 * (time.monotonic() - t0), 1)
         out["granted"] = got is not None
+        # The engine counts what it gave in the budget record after its unmaps, which the
+        # other pool may already have used: read the record once the engine is at rest.
+        out["engine_after"] = sampler.settle(0.5)  # the probe writes its counters periodically
         reading = rec.read()
         out["capacity"] = reading.capacity
         out["held_after"] = reading.mapped
         out["slots"] = {s.name: dict(mapped=s.mapped, given=s.given_bytes, misses=s.misses)
                         for s in reading.slots}
-        out["engine_after"] = sampler.settle(0.5)  # the probe writes its counters periodically
     finally:
         other.close()
         rec.set_capacity(bud.NO_BUDGET)
