@@ -119,12 +119,12 @@ class Sampler:
                         size=pool["size"], num_pages=pool["num_pages"])
         return snap
 
-    def settle(self, seconds: float, steady_s: float = 1.0, limit_s: float = 30.0) -> dict:
+    def settle(self, seconds: float, steady_s: float = 0.5, limit_s: float = 30.0) -> dict:
         """A reading at least ``seconds`` from now, once the pool's counters (pages mapped,
-        reserved, in use; cached tokens) have not moved for ``steady_s``: the idle trims
-        that follow a burst take longer than ``seconds`` on a busy host, and what follows
-        (a giveback, a limit) must meet the engine at rest. Gives up waiting after
-        ``limit_s`` and returns the last reading."""
+        reserved, in use; cached tokens) have not moved for ``steady_s`` (the probe writes
+        them every 50 ms): on a busy host the idle trims that follow a burst may outlast
+        ``seconds``, and what follows (a giveback, a limit) must meet the engine at rest.
+        Gives up waiting after ``limit_s`` and returns the last reading."""
         def counters(snap: dict) -> tuple:
             return tuple(snap.get(k) for k in ("mapped", "reserved", "in_use", "used_tokens"))
 
