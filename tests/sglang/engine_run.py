@@ -124,12 +124,15 @@ class Sampler:
         reserved, in use; cached tokens) have not moved for ``steady_s`` (the probe writes
         them every 50 ms): on a busy host the idle trims that follow a burst may outlast
         ``seconds``, and what follows (a giveback, a limit) must meet the engine at rest.
-        Gives up waiting after ``limit_s`` and returns the last reading."""
+        Gives up waiting after ``limit_s`` and returns the last reading; a vanilla engine
+        (no kvcached pool, so no counters) is read once."""
         def counters(snap: dict) -> tuple:
             return tuple(snap.get(k) for k in ("mapped", "reserved", "in_use", "used_tokens"))
 
         time.sleep(seconds)
         last = self.read()
+        if "mapped" not in last:
+            return last
         since, end = time.monotonic(), time.monotonic() + limit_s
         while time.monotonic() - since < steady_s and time.monotonic() < end:
             time.sleep(0.25)
